@@ -1,0 +1,32 @@
+"""Pure-torch policy objectives (no trainer imports): the unified clipping framework and baselines."""
+
+from trustclip.objectives import clipping, covariance, reweighting  # noqa: F401  (register objectives)
+from trustclip.objectives.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from trustclip.objectives.aggregation import AGGREGATIONS, aggregate
+from trustclip.objectives.batch import PolicyBatch, make_batch
+from trustclip.objectives.constraints import (
+    Constraint,
+    DivergenceConstraint,
+    FullKLConstraint,
+    ProbabilityInterval,
+    RatioInterval,
+    custom_divergence,
+    kl_constraint,
+)
+from trustclip.objectives.loss import compute_policy_loss, compute_token_loss, policy_metrics
+from trustclip.objectives.registry import (
+    REGISTRY,
+    Objective,
+    TokenLoss,
+    get_objective,
+    list_objectives,
+    ratio_bounds,
+    register_objective,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DivergenceConstraint", "FullKLConstraint",
+    "Objective", "PolicyBatch", "ProbabilityInterval", "RatioInterval", "TokenLoss", "aggregate",
+    "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence", "get_objective",
+    "kl_constraint", "list_objectives", "make_batch", "policy_metrics", "ratio_bounds", "register_objective",
+]

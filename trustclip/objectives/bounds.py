@@ -1,0 +1,194 @@
+"""Ratio regions of divergence constraints: {w : D(w) <= delta} as an interval [l, u].
+
+Every per-token divergence estimator used here is a convex function of the ratio w with minimum 0
+at w = 1, so its sublevel set is an interval, and clipping with the constraint is exactly asymmetric
+ratio clipping with these bounds (ATR paper, arXiv 2602.05494, Theorem 4.2).
+
+Closed forms (float64, scipy):
+  KL3     w - 1 - log w        l = -W_0(-e^{-(1+d)}),        u = -W_{-1}(-e^{-(1+d)})
+  IS-KL3  w log w - w + 1      l = exp(1 + W_{-1}((d-1)/e)), u = exp(1 + W_0((d-1)/e))
+  KL2     (log w)^2 / 2        [exp(-sqrt(2d)), exp(sqrt(2d))]
+  KL1     -log w               [exp(-d), inf)  (|log w| <= d: [exp(-d), exp(d)])
+and `divergence_bounds` root-finds the interval of any user divergence that is convex in w.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+from scipy.optimize import brentq
+from scipy.special import lambertw
+
+__all__ = [
+    "check_delta",
+    "divergence_bounds",
+    "is_kl3_bounds",
+    "kl1_bounds",
+    "kl2_bounds",
+    "kl3_bounds",
+    "dcpo_bounds",
+    "trgppo_bounds",
+    "kl1",
+    "kl2",
+    "kl3",
+    "is_kl3",
+]
+
+
+def check_delta(delta: float, name: str = "delta") -> float:
+    """Return delta as a float, or raise ValueError if it is not a finite positive number."""
+    try:
+        value = float(delta)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {delta!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {delta!r}")
+    return value
+
+
+# Per-token divergence estimators of the ratio w (numpy or torch, elementwise).
+def kl1(w):
+    """k1 = -log w (Schulman 2020): unbiased, can be negative."""
+    return -_log(w)
+
+
+def kl2(w):
+    """k2 = (log w)^2 / 2: biased, non-negative."""
+    return 0.5 * _log(w) ** 2
+
+
+def kl3(w):
+    """k3 = w - 1 - log w: unbiased estimate of KL(pi_old || pi_theta), non-negative, convex."""
+    return w - 1 - _log(w)
+
+
+def is_kl3(w):
+    """IS-weighted k3 = w * k3(1/w) = w log w - w + 1: unbiased for KL(pi_theta || pi_old)."""
+    return w * _log(w) - w + 1
+
+
+def _log(w):
+    return w.log() if hasattr(w, "log") else np.log(w)
+
+
+def kl3_bounds(delta: float) -> tuple[float, float]:
+    """Exact KL3 ratio region via the two real Lambert-W branches (ATR paper, Appendix A.1)."""
+    delta = check_delta(delta)
+    z = -math.exp(-(1.0 + delta))
+    low = -lambertw(z, 0).real
+    high = -lambertw(z, -1).real
+    return float(low), float(high)
+
+
+def is_kl3_bounds(delta: float) -> tuple[float, float]:
+    """Region of w log w - w + 1 <= delta. Needs delta < 1 (at w -> 0 the divergence tends to 1)."""
+    delta = check_delta(delta)
+    z = (delta - 1.0) / math.e
+    high = math.exp(1.0 + lambertw(z, 0).real)
+    low = math.exp(1.0 + lambertw(z, -1).real) if delta < 1.0 else 0.0
+    return float(low), float(high)
+
+
+def kl2_bounds(delta: float) -> tuple[float, float]:
+    """Region of (log w)^2 / 2 <= delta: symmetric in log space."""
+    delta = check_delta(delta)
+    r = math.sqrt(2.0 * delta)
+    return math.exp(-r), math.exp(r)
+
+
+def kl1_bounds(delta: float, two_sided: bool = False) -> tuple[float, float]:
+    """Region of -log w <= delta (one-sided: no upper bound) or of |log w| <= delta."""
+    delta = check_delta(delta)
+    return math.exp(-delta), (math.exp(delta) if two_sided else math.inf)
+
+
+def divergence_bounds(
+    divergence: Callable[[float], float], delta: float, *, w_max: float = 1e6
+) -> tuple[float, float]:
+    """Interval {w > 0 : D(w) <= delta} for any D convex in w with D(1) = 0, found with brentq.
+
+    A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf.
+    """
+    delta = check_delta(delta)
+    d1 = float(divergence(1.0))
+    if abs(d1) > 1e-12:
+        raise ValueError(f"divergence must be 0 at w = 1 (got D(1) = {d1}); is it a divergence of the ratio?")
+
+    def excess(w: float) -> float:
+        return float(divergence(w)) - delta
+
+    w_min = 1e-12
+    low = brentq(excess, w_min, 1.0, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_min) > 0 else 0.0
+    high = brentq(excess, 1.0, w_max, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_max) > 0 else math.inf
+    return float(low), float(high)
+
+
+# Probability-dependent regions (bounds are functions of q = pi_old(y_t | s_t)).
+def dcpo_bounds(q, epsilon_low: float = 0.16, epsilon_high: float = 0.2, max_high: float = 10.0):
+    """DCPO dynamic adaptive clipping (arXiv 2509.02333): from |w - 1| * w <= eps / q,
+    l(q) = 1/2 + 1/2 sqrt(max(1 - 4 eps_l / q, 0)),  u(q) = min(1/2 + 1/2 sqrt(1 + 4 eps_h / q), max_high).
+    Works on floats, numpy arrays and torch tensors."""
+    if hasattr(q, "clamp"):
+        low = 0.5 + 0.5 * (1 - 4 * epsilon_low / q).clamp(min=0).sqrt()
+        high = (0.5 + 0.5 * (1 + 4 * epsilon_high / q).sqrt()).clamp(max=max_high)
+        return low, high
+    q = np.asarray(q, dtype=np.float64)
+    low = 0.5 + 0.5 * np.sqrt(np.maximum(1 - 4 * epsilon_low / q, 0.0))
+    high = np.minimum(0.5 + 0.5 * np.sqrt(1 + 4 * epsilon_high / q), max_high)
+    return (float(low), float(high)) if low.ndim == 0 else (low, high)
+
+
+def binary_kl(q, r):
+    """KL(pi_old || pi) when the sampled token's probability moves q -> r q and every other
+    token is rescaled proportionally: q log(1/r) + (1-q) log((1-q)/(1-rq))."""
+    if hasattr(q, "log"):
+        return -q * r.log() + (1 - q) * ((1 - q).log() - (1 - r * q).log())
+    return -q * np.log(r) + (1 - q) * (np.log1p(-q) - np.log1p(-r * q))
+
+
+def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 100):
+    """TRGPPO (Wang et al. 2019, arXiv 1901.10314) KL-guided ratio region for discrete actions.
+
+    [l, u] = [min over, max over] pi(a)/pi_old(a) subject to KL(pi_old || pi) <= delta; for discrete
+    actions the optimum rescales the other actions proportionally, so only q is needed and the
+    bounds solve binary_kl(q, r) = delta on each side of 1 (vectorised bisection in float64).
+    With `epsilon`, the region is widened to at least [1 - eps, 1 + eps] as in the paper:
+    [min(l, 1 - eps), max(u, 1 + eps)]. `epsilon=None` gives the raw KL bounds (official code).
+    Works on floats, numpy arrays and torch tensors (returned in q's dtype).
+    """
+    delta = check_delta(delta)
+    is_torch = hasattr(q, "clamp")
+    if is_torch:
+        import torch
+
+        qd = q.detach().to(torch.float64).clamp(1e-12, 1 - 1e-12)
+        lib_lo, lib_hi = torch.zeros_like(qd), torch.ones_like(qd)
+        up_lo, up_hi = torch.ones_like(qd), 1.0 / qd
+        where = torch.where
+    else:
+        qd = np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
+        lib_lo, lib_hi = np.zeros_like(qd), np.ones_like(qd)
+        up_lo, up_hi = np.ones_like(qd), 1.0 / qd
+        where = np.where
+    # Lower root in (0, 1): KL decreases in r there. Bisect in log space for tiny roots.
+    lo_log, hi_log = _log(lib_lo + 1e-300), _log(lib_hi)
+    for _ in range(iterations):
+        mid = 0.5 * (lo_log + hi_log)
+        r = mid.exp() if is_torch else np.exp(mid)
+        above = binary_kl(qd, r) > delta
+        lo_log, hi_log = where(above, mid, lo_log), where(above, hi_log, mid)
+    low = (hi_log.exp() if is_torch else np.exp(hi_log))
+    # Upper root in (1, 1/q): KL increases in r there.
+    for _ in range(iterations):
+        mid = 0.5 * (up_lo + up_hi)
+        above = binary_kl(qd, mid) > delta
+        up_lo, up_hi = where(above, up_lo, mid), where(above, mid, up_hi)
+    high = up_lo
+    if epsilon is not None:
+        low = where(low < 1 - epsilon, low, low * 0 + (1 - epsilon))
+        high = where(high > 1 + epsilon, high, high * 0 + (1 + epsilon))
+    if is_torch:
+        return low.to(q.dtype), high.to(q.dtype)
+    return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)

@@ -1,0 +1,134 @@
+"""Policy-divergence constraints C_t: the pluggable part of the unified clipping framework.
+
+ATR paper (arXiv 2602.05494), eq. 5:
+    clip_general(w_t, C) = w_t if C_t(theta) holds, else w_t(theta_old) (= 1, no gradient)
+    J = E[min(w_t A_t, clip_general(w_t, C) A_t)]
+A constraint answers one question per token, `holds(batch) -> bool (B, T)`. Constraints whose
+feasible set is a ratio interval [l, u] also expose `interval(batch)`; the surrogate then takes PPO's
+form min(wA, clip(w, l, u) A), which has the same gradient (Theorem 4.1) and the same loss value as
+TRL / verl. Write your own by subclassing `Constraint` (or pass any divergence of w to
+`DivergenceConstraint`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trustclip.objectives import bounds as B
+from trustclip.objectives.batch import PolicyBatch
+
+Bound = float | torch.Tensor
+
+
+class Constraint:
+    """Base class: a per-token feasibility test C_t(theta)."""
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
+        """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval."""
+        return None
+
+
+@dataclass(frozen=True)
+class RatioInterval(Constraint):
+    """C_t := low <= w_t <= high (PPO / GRPO / DAPO ratio clipping)."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.low <= 1 <= self.high):
+            raise ValueError(f"ratio interval must satisfy 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        return (batch.ratio >= self.low) & (batch.ratio <= self.high)
+
+    def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound]:
+        return self.low, self.high
+
+
+@dataclass(frozen=True)
+class DivergenceConstraint(Constraint):
+    """C_t := D(w_t) <= delta for a per-token divergence estimator D of the ratio.
+
+    `bounds` is the equivalent ratio interval when D is convex in w (closed form or root-found);
+    leave it None for a D whose sublevel set is not an interval: the boolean test is then used as is.
+    """
+
+    name: str
+    divergence: Callable[[torch.Tensor], torch.Tensor]
+    delta: float
+    bounds: tuple[float, float] | None = None
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        return self.divergence(batch.ratio.detach()) <= self.delta
+
+    def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
+        return self.bounds
+
+
+def kl_constraint(kind: str, delta: float, **options) -> DivergenceConstraint:
+    """The paper's estimator constraints (Schulman 2020 k1/k2/k3, IS-weighted k3) with exact bounds."""
+    delta = B.check_delta(delta)
+    if kind == "kl1":
+        if options.get("two_sided"):
+            return DivergenceConstraint("|kl1|", lambda w: w.log().abs(), delta, B.kl1_bounds(delta, True))
+        return DivergenceConstraint("kl1", B.kl1, delta, B.kl1_bounds(delta))
+    if kind == "kl2":
+        return DivergenceConstraint("kl2", B.kl2, delta, B.kl2_bounds(delta))
+    if kind == "kl3":
+        return DivergenceConstraint("kl3", B.kl3, delta, B.kl3_bounds(delta))
+    if kind == "is_kl3":
+        if options.get("form", "w_log_w") == "w_times_kl3":
+            # w * (w - 1 - log w): not monotone on (0, 1), so not an interval; use the boolean test.
+            return DivergenceConstraint("w*kl3", lambda w: w * B.kl3(w), delta, None)
+        if delta >= 1:
+            raise ValueError(f"is_kl3 needs delta < 1 (w log w - w + 1 < 1 for all w < e), got {delta}")
+        return DivergenceConstraint("is_kl3", B.is_kl3, delta, B.is_kl3_bounds(delta))
+    raise ValueError(f"unknown KL estimator {kind!r}; choose from kl1, kl2, kl3, is_kl3")
+
+
+def custom_divergence(divergence: Callable, delta: float, name: str = "custom") -> DivergenceConstraint:
+    """A user divergence of w, convex with D(1) = 0: bounds are root-found once (float64, brentq)."""
+
+    def scalar(w: float) -> float:
+        return float(divergence(torch.tensor(w, dtype=torch.float64)))
+
+    low, high = B.divergence_bounds(scalar, delta)
+    return DivergenceConstraint(name, divergence, B.check_delta(delta), (low, high))
+
+
+@dataclass(frozen=True)
+class ProbabilityInterval(Constraint):
+    """C_t := l(q_t) <= w_t <= u(q_t), bounds depending on q_t = pi_old(y_t | s_t) (DCPO, TRGPPO)."""
+
+    name: str
+    bounds_of_q: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def interval(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.bounds_of_q(batch.old_logp.exp())
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        low, high = self.interval(batch)
+        return (batch.ratio >= low) & (batch.ratio <= high)
+
+
+@dataclass(frozen=True)
+class FullKLConstraint(Constraint):
+    """C_t := KL(pi_old(.|s_t) || pi_theta(.|s_t)) < delta, the exact full-vocabulary KL given as the
+    `full_kl` extra (TR-PPO, Wang et al. 2020)."""
+
+    delta: float
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        return batch.extra("full_kl", "truly_ppo").detach() < self.delta
+
+
+def is_unbounded(x: Bound) -> bool:
+    return isinstance(x, float) and math.isinf(x)

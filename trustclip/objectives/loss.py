@@ -1,0 +1,101 @@
+"""The entry points: per-token loss of any objective, its aggregation, and the standard metrics."""
+
+from __future__ import annotations
+
+import torch
+
+from trustclip.objectives.aggregation import aggregate, check_aggregation
+from trustclip.objectives.batch import PolicyBatch, make_batch
+from trustclip.objectives.registry import Objective, TokenLoss, get_objective
+
+EXTRA_INPUTS = ("entropy", "full_kl")
+
+
+def compute_token_loss(
+    objective: str | Objective,
+    *,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor | None = None,
+    **extra: torch.Tensor | None,
+) -> tuple[TokenLoss, PolicyBatch]:
+    """Validate inputs and return the objective's per-token loss (zero on padding) and the batch.
+
+    `token_weights` (B, T) multiplies the per-token loss (e.g. rollout importance-sampling
+    corrections); extras are (B, T) tensors some objectives need: `entropy`, `full_kl`.
+    """
+    objective = get_objective(objective) if isinstance(objective, str) else objective
+    unknown = set(extra) - set(EXTRA_INPUTS)
+    if unknown:
+        raise ValueError(f"unknown extra input(s) {sorted(unknown)}; valid: {', '.join(EXTRA_INPUTS)}")
+    missing = [name for name in objective.requires if extra.get(name) is None]
+    if missing:
+        raise ValueError(
+            f"objective {objective.name!r} needs the extra input(s) {missing} as (B, T) tensors "
+            f"(e.g. compute_policy_loss(..., {missing[0]}=tensor))"
+        )
+    if token_weights is not None:
+        extra = {**extra, "token_weights": token_weights}
+    batch = make_batch(logp, old_logp, advantages, mask, extra)
+    weights = batch.extras.pop("token_weights", None)
+    out = objective(batch)
+    out.loss = out.loss * batch.mask if weights is None else out.loss * batch.mask * weights.detach()
+    return out, batch
+
+
+def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
+    """Plain-float metrics: clipped-low / clipped-high fractions of valid tokens, ratio mean / min /
+    max, mean KL3 = w - 1 - log w, and the objective's own statistics (masked means)."""
+    mask = batch.mask
+    n = mask.sum()
+
+    def mean(x: torch.Tensor) -> float:
+        return float((x.detach().to(mask.dtype) * mask).sum() / n)
+
+    valid = mask > 0
+    ratio = batch.ratio.detach()
+    metrics = {
+        "clip_frac_low": mean(out.clipped_low),
+        "clip_frac_high": mean(out.clipped_high),
+        "clip_frac": mean(out.clipped_low | out.clipped_high),
+        "ratio_mean": mean(ratio),
+        "ratio_min": float(ratio[valid].min()),
+        "ratio_max": float(ratio[valid].max()),
+        "kl3_mean": mean(ratio - 1 - batch.log_ratio.detach()),
+    }
+    for name, value in out.stats.items():
+        metrics[name] = mean(value) if value.dim() == 2 else float(value.detach())
+    return metrics
+
+
+def compute_policy_loss(
+    objective: str | Objective,
+    *,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str = "dr_grpo",
+    max_len: int | None = None,
+    num_tokens: float | None = None,
+    num_sequences: float | None = None,
+    token_weights: torch.Tensor | None = None,
+    **extra: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Policy loss of `objective` on one batch, and its metrics.
+
+    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation` is one of token_mean,
+    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`); `num_tokens` /
+    `num_sequences` are global denominators for faithful normalisation across gradient accumulation
+    and processes (see `trustclip.objectives.aggregation`). Raises ValueError on bad input.
+    """
+    check_aggregation(aggregation)
+    out, batch = compute_token_loss(
+        objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+        token_weights=token_weights, **extra,
+    )
+    loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=num_tokens,
+                     num_sequences=num_sequences)
+    return loss, policy_metrics(out, batch)

@@ -1,0 +1,141 @@
+"""Objectives that reshape the importance weight instead of (only) masking it: soft gates, detached
+clipped weights, flipped weights, and sequence-level ratios."""
+
+from __future__ import annotations
+
+import torch
+
+from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.clipping import EPS_RULE, _interval_bounds
+from trustclip.objectives.registry import TokenLoss, choice, number, register_objective
+
+
+def loss_with_weight(batch: PolicyBatch, value: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """-J per token where J has the value `value` and the gradient weight * A * grad(logp).
+
+    The term logp - sg(logp) is 0 in value and has gradient 1, so the two are set independently; this
+    makes the effective weight phi of a method readable in one line."""
+    return -(value.detach() + weight.detach() * batch.advantages * (batch.logp - batch.logp.detach()))
+
+
+@register_objective(
+    "sapo",
+    source="SAPO soft adaptive policy optimization, Gao et al. 2025 (arXiv 2511.20347)",
+    summary="soft gate f(w) = sigmoid(tau (w - 1)) 4 / tau instead of hard clipping",
+    params={"tau_pos": number(1.0, low=0.0, strict_low=True), "tau_neg": number(1.05, low=0.0, strict_low=True)},
+)
+def sapo(batch: PolicyBatch, *, tau_pos: float, tau_neg: float) -> TokenLoss:
+    """J = f_tau(w) A with f_tau(w) = sigmoid(tau (w - 1)) * 4 / tau, tau = tau_pos if A > 0 else tau_neg.
+    phi = 4 s (1 - s) w, s = sigmoid(tau (w - 1)): 1 at w = 1, decaying like sech^2; nothing is hard-clipped.
+    The paper aggregates seq_mean_token_mean (as TRL's loss_type='sapo' and verl do)."""
+    w, adv = batch.ratio, batch.advantages
+    tau = torch.where(adv > 0, torch.full_like(w, tau_pos), torch.full_like(w, tau_neg))
+    gate = torch.sigmoid(tau * (w - 1)) * 4 / tau
+    s = torch.sigmoid(tau * (w - 1)).detach()
+    none = torch.zeros_like(w, dtype=torch.bool)
+    return TokenLoss(-gate * adv, clipped_low=none, clipped_high=none, stats={"gate_weight_mean": 4 * s * (1 - s)})
+
+
+@register_objective(
+    "cispo",
+    source="CISPO, MiniMax-M1 (arXiv 2506.13585); verl `cispo` semantics",
+    summary="REINFORCE with a clipped, detached IS weight: no token loses its gradient",
+    params={
+        "epsilon_low": number(None, low=0.0, optional=True, doc="None: no lower bound (the paper tunes only eps_high)"),
+        "epsilon_high": number(0.2, low=0.0, doc="weight cap 1 + eps_high; TRL's absolute cap 5.0 = eps_high 4.0"),
+    },
+    bounds=lambda hp: (0.0 if hp["epsilon_low"] is None else 1 - hp["epsilon_low"], 1 + hp["epsilon_high"]),
+)
+def cispo(batch: PolicyBatch, *, epsilon_low: float | None, epsilon_high: float) -> TokenLoss:
+    """J = sg(clip(w, 1 - eps_l, 1 + eps_h)) A logp; phi = clip(w, ...). Note verl clamps two-sided
+    (1 - eps_l, 1 + eps_h) while TRL's `epsilon_high` is an absolute cap on w."""
+    w, adv = batch.ratio, batch.advantages
+    low = 0.0 if epsilon_low is None else 1.0 - epsilon_low
+    high = 1.0 + epsilon_high
+    weight = w.clamp(min=low, max=high).detach()
+    return TokenLoss(
+        -weight * adv * batch.logp,
+        clipped_low=(w < low) & (adv < 0),
+        clipped_high=(w > high) & (adv > 0),
+        stats={"capped_frac": (w < low) | (w > high)},
+    )
+
+
+def _entropy_split_epsilon(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, low_eps: float,
+                           high_eps: float) -> torch.Tensor:
+    """Archer2.0 dual-token split: tokens at or above the per-response `quantile` of entropy (the top
+    20 % by default) get high_eps, the rest low_eps."""
+    masked = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("nan")))
+    threshold = torch.nanquantile(masked.float(), quantile, dim=-1, keepdim=True).to(entropy.dtype)
+    return torch.where(entropy >= threshold, torch.full_like(entropy, high_eps), torch.full_like(entropy, low_eps))
+
+
+@register_objective(
+    "aspo",
+    source="ASPO asymmetric importance sampling, Wang et al. 2025 (arXiv 2510.06062); code wizard-III/Archer2.0",
+    summary="flipped IS weight 1/w for A > 0, soft dual clipping (weight c) for extreme ratios",
+    params={
+        "epsilon_low": number(0.2, **EPS_RULE),
+        "epsilon_high": number(0.2, low=0.0),
+        "clip_ratio_c": number(3.0, low=1.0, strict_low=True, doc="soft dual-clip bound c"),
+        "entropy_split": choice(False, True, doc="Archer2.0: eps depends on token entropy (needs `entropy`)"),
+        "high_entropy_epsilon": number(0.4, **EPS_RULE, doc="eps of the high-entropy tokens"),
+        "entropy_quantile": number(0.8, low=0.0, high=1.0, doc="per-response entropy quantile of the split"),
+    },
+    requires=lambda hp: ("entropy",) if hp["entropy_split"] else (),
+    bounds=_interval_bounds("epsilon_low", "epsilon_high"),
+)
+def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ratio_c: float,
+         entropy_split: bool, high_entropy_epsilon: float, entropy_quantile: float) -> TokenLoss:
+    """Effective weights (derived from the official code, reference notes section 15):
+      A > 0:  phi = 1/w on [1/c, 1 + eps_h];  0 above 1 + eps_h;  c below 1/c   (value A / clip(w, 1/c, 1+eps_h))
+      A < 0:  phi = w   on [1 - eps_l, c];    0 below 1 - eps_l;  c above c     (value A * clip(w, 1-eps_l, c))
+    With entropy_split the top (1 - quantile) entropy tokens of each response use high_entropy_epsilon
+    for both eps (Archer2.0's default scheme); the default is the single-eps ASPO of the paper."""
+    w, adv, c = batch.ratio, batch.advantages, clip_ratio_c
+    if entropy_split:
+        eps = _entropy_split_epsilon(batch.extra("entropy", "aspo"), batch.mask, entropy_quantile,
+                                     epsilon_low, high_entropy_epsilon)
+        eps_low = eps_high = eps
+    else:
+        eps_low, eps_high = torch.full_like(w, epsilon_low), torch.full_like(w, epsilon_high)
+    upper, lower = 1 + eps_high, 1 - eps_low
+    zero, cap = torch.zeros_like(w), torch.full_like(w, c)
+    weight_pos = torch.where(w > upper, zero, torch.where(w < 1 / c, cap, 1 / w))
+    value_pos = adv / torch.minimum(torch.maximum(w, torch.full_like(w, 1 / c)), upper)
+    weight_neg = torch.where(w < lower, zero, torch.where(w > c, cap, w))
+    value_neg = adv * torch.minimum(torch.maximum(w, lower), cap)
+    pos = adv > 0
+    loss = loss_with_weight(batch, torch.where(pos, value_pos, value_neg), torch.where(pos, weight_pos, weight_neg))
+    return TokenLoss(
+        loss,
+        clipped_low=~pos & (adv < 0) & (w < lower),
+        clipped_high=pos & (w > upper),
+        stats={"soft_clip_frac": (pos & (w < 1 / c)) | ((adv < 0) & (w > c))},
+    )
+
+
+@register_objective(
+    "gspo",
+    source="GSPO group sequence policy optimization, Zheng et al. 2025 (arXiv 2507.18071)",
+    summary="sequence-level length-normalised ratio s_i = exp(mean_t log w_t), clipped per sequence",
+    params={"epsilon_low": number(3e-4, **EPS_RULE), "epsilon_high": number(4e-4, low=0.0)},
+    bounds=_interval_bounds("epsilon_low", "epsilon_high"),
+)
+def gspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float) -> TokenLoss:
+    """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t).
+    Built in verl's GSPO-token form, s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (log clamped at 10), whose
+    gradient with seq_mean_token_mean aggregation (the paper's) equals GSPO's."""
+    mask, adv = batch.mask, batch.advantages
+    lengths = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = (batch.log_ratio * mask).sum(-1) / lengths
+    token_log_ratio = (seq_log_ratio.detach().unsqueeze(-1) + batch.logp - batch.logp.detach()).clamp(max=10.0)
+    s = token_log_ratio.exp()
+    low, high = 1 - epsilon_low, 1 + epsilon_high
+    loss = -torch.minimum(s * adv, s.clamp(low, high) * adv)
+    return TokenLoss(
+        loss,
+        clipped_low=(s < low) & (adv < 0),
+        clipped_high=(s > high) & (adv > 0),
+        stats={"seq_ratio_mean": s.detach()},
+    )
