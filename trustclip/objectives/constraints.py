@@ -12,7 +12,6 @@ TRL / verl. Write your own by subclassing `Constraint` (or pass any divergence o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,7 +127,3 @@ class FullKLConstraint(Constraint):
 
     def holds(self, batch: PolicyBatch) -> torch.Tensor:
         return batch.extra("full_kl", "truly_ppo").detach() < self.delta
-
-
-def is_unbounded(x: Bound) -> bool:
-    return isinstance(x, float) and math.isinf(x)

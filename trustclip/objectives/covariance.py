@@ -75,12 +75,16 @@ def clip_cov(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, cli
 )
 def kl_cov(batch: PolicyBatch, *, kl_cov_ratio: float, ppo_kl_coef: float) -> TokenLoss:
     """J_t = w A for all tokens; for the top-k = max(floor(r N_valid), 1) tokens by cov_t (deterministic
-    topk), J_t = w A - beta |log w|."""
+    topk), J_t = w A - beta |log w|. Only tokens with cov_t > 0 are penalised: verl's topk would also
+    pick zero- or negative-covariance tokens when fewer than k are positive (e.g. an all-zero-advantage
+    batch), which then get a gradient although nothing drives their entropy down."""
     w, adv, valid = batch.ratio, batch.advantages, batch.mask > 0
     loss = -adv * w
     flat_valid = valid.flatten().nonzero()[:, 0]
     k = max(int(kl_cov_ratio * len(flat_valid)), 1)
-    top = flat_valid[torch.topk(centred_covariance(batch).flatten()[flat_valid], k, largest=True).indices]
+    cov = centred_covariance(batch).flatten()[flat_valid]
+    top_cov, top_idx = torch.topk(cov, k, largest=True)
+    top = flat_valid[top_idx[top_cov > 0]]
     penalised = torch.zeros(w.numel(), dtype=torch.bool, device=w.device)
     penalised[top] = True
     penalised = penalised.view_as(w)

@@ -1,0 +1,152 @@
+"""Bad input gets a clear error naming the problem; aggregation, advantages and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import trustclip as tc
+from trustclip.cli import main as cli_main
+from trustclip.objectives import aggregate, compute_advantages, get_objective
+
+
+def inputs(batch=2, length=3):
+    logp = torch.full((batch, length), -1.0, requires_grad=True)
+    return {"logp": logp, "old_logp": torch.full((batch, length), -1.1), "advantages": torch.ones(batch),
+            "mask": torch.ones(batch, length)}
+
+
+def loss_of(objective="kl3", **changes):
+    return tc.compute_policy_loss(objective, **(inputs() | changes))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("logp", torch.tensor([[-1.0, float("nan"), -1.0], [-1.0] * 3]), r"logp has 1 non-finite value.*\(0, 1\)"),
+    ("old_logp", torch.tensor([[-1.0] * 3, [-1.0, -1.0, float("-inf")]]), r"old_logp has 1 non-finite.*\(1, 2\)"),
+    ("advantages", torch.tensor([1.0, float("inf")]), "advantages has 3 non-finite"),
+    ("logp", torch.zeros(2, 4), r"mask has shape \(2, 3\), expected \(2, 4\)"),
+    ("old_logp", torch.zeros(2, 2), r"old_logp has shape \(2, 2\), expected \(2, 3\)"),
+    ("advantages", torch.ones(3), r"advantages has shape \(3,\), expected \(2,\) or \(2, 3\)"),
+    ("mask", torch.zeros(2, 3), "mask is empty"),
+    ("mask", torch.full((2, 3), 0.5), "only 0 and 1"),
+    ("logp", torch.full((2, 3), 2.5), "log-probabilities .* found 2.5.*logits"),
+    ("logp", torch.zeros(6), r"logp must be a \(B, T\) tensor"),
+])
+def test_bad_tensors_raise_clear_errors(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        loss_of(**{field: value})
+
+
+def test_nan_on_padding_is_ignored_but_nan_on_a_token_is_not():
+    logp = torch.tensor([[-1.0, float("nan")], [-1.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    loss, _ = tc.compute_policy_loss("kl3", logp=logp, old_logp=torch.full((2, 2), -1.2), advantages=torch.ones(2),
+                                     mask=mask)
+    loss.backward()
+    assert torch.isfinite(loss) and logp.grad[0, 1] == 0
+    with pytest.raises(ValueError, match="non-finite"):
+        tc.compute_policy_loss("kl3", logp=logp, old_logp=torch.full((2, 2), -1.2), advantages=torch.ones(2),
+                               mask=torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("name,hparams,message", [
+    ("kl3", {"delta": 0}, r"kl3: delta=0 is invalid; it must be > 0"),
+    ("kl3", {"delta": -0.1}, "delta=-0.1 is invalid"),
+    ("atr", {"delta": float("nan")}, "delta=nan is invalid"),
+    ("clip", {"epsilon": -0.1}, r"epsilon=-0.1 is invalid; it must be >= 0.0 and <= 1.0"),
+    ("clip_higher", {"epsilon_high": -1}, "epsilon_high=-1 is invalid"),
+    ("dual_clip", {"clip_ratio_c": 1.0}, r"clip_ratio_c=1.0 is invalid; it must be > 1.0"),
+    ("sapo", {"tau_pos": 0}, "tau_pos=0 is invalid"),
+    ("clip", {"delta": 0.1}, r"unknown hyper-parameter\(s\) \['delta'\] for objective 'clip'; valid: epsilon"),
+    ("kl1", {"two_sided": "yes"}, "two_sided='yes' is invalid; it must be one of"),
+    ("is_kl3", {"delta": 1.5}, "is_kl3 needs delta < 1"),
+    ("general", {}, "constraint=None is invalid; it must be a trustclip Constraint"),
+])
+def test_bad_hyper_parameters_name_the_value(name, hparams, message):
+    with pytest.raises(ValueError, match=message):
+        get_objective(name, **hparams)
+
+
+def test_unknown_objective_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown objective 'ppo2'; valid names: .*atr.*clip.*kl3"):
+        get_objective("ppo2")
+
+
+def test_missing_and_unknown_extras():
+    with pytest.raises(ValueError, match=r"'truly_ppo' needs the extra input\(s\) \['full_kl'\]"):
+        loss_of("truly_ppo")
+    with pytest.raises(ValueError, match=r"'aspo' needs the extra input\(s\) \['entropy'\]"):
+        loss_of(get_objective("aspo", entropy_split=True))
+    with pytest.raises(ValueError, match=r"unknown extra input\(s\) \['entropies'\]"):
+        loss_of(entropies=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"extra input 'full_kl' has shape \(3,\)"):
+        loss_of("truly_ppo", full_kl=torch.zeros(3))
+
+
+def test_bad_aggregation_and_normalisers():
+    with pytest.raises(ValueError, match="unknown aggregation 'mean'; valid: token_mean"):
+        loss_of(aggregation="mean")
+    with pytest.raises(ValueError, match="max_len=2 is shorter than the longest response in the batch"):
+        loss_of(max_len=2)
+    with pytest.raises(ValueError, match="num_tokens must be a finite number > 0"):
+        loss_of(aggregation="token_mean", num_tokens=0)
+
+
+def test_aggregations_against_hand_computation():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float64)
+    assert aggregate(loss, mask, "token_mean").item() == pytest.approx(18 / 5)
+    assert aggregate(loss, mask, "seq_mean_token_mean").item() == pytest.approx((1.5 + 5) / 2)
+    assert aggregate(loss, mask, "seq_mean_token_sum").item() == pytest.approx((3 + 15) / 2)
+    assert aggregate(loss, mask, "dr_grpo", max_len=10).item() == pytest.approx(18 / (2 * 10))
+    assert aggregate(loss, mask, "dr_grpo").item() == pytest.approx(18 / (2 * 3))  # longest response
+
+
+def test_advantage_estimators():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    dr = compute_advantages(rewards, 4, "dr_grpo")
+    torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]))
+    grpo = compute_advantages(rewards, 4, "grpo")
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
+    torch.testing.assert_close(grpo[:4], dr[:4] / (std + 1e-6))
+    assert (grpo[4:] == 0).all()  # a group whose rewards agree carries no signal
+    rloo = compute_advantages(rewards, 4, "rloo")
+    loo = torch.stack([rewards[i] - torch.cat([rewards[(i // 4) * 4:i], rewards[i + 1:(i // 4 + 1) * 4]]).mean()
+                       for i in range(8)])
+    torch.testing.assert_close(rloo, loo)
+    torch.testing.assert_close(compute_advantages(rewards, 1, "grpo"), rewards)
+    with pytest.raises(ValueError, match="group_size=3 must be a positive int dividing the batch"):
+        compute_advantages(rewards, 3)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gae'"):
+        compute_advantages(rewards, 4, "gae")
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_advantages(torch.tensor([1.0, float("nan")]), 2)
+
+
+def test_cli_objectives_json_lists_every_objective(capsys):
+    assert cli_main(["objectives", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = {r["name"] for r in rows}
+    assert {"kl3", "clip", "dcpo", "truly_ppo", "aspo"} <= names
+    kl3 = next(r for r in rows if r["name"] == "kl3")
+    assert kl3["defaults"] == {"delta": 0.07} and "atr" in kl3["aliases"] and "2602.05494" in kl3["source"]
+    assert next(r for r in rows if r["name"] == "truly_ppo")["requires"] == ["full_kl"]
+
+
+def test_cli_bounds(capsys):
+    assert cli_main(["bounds", "--objective", "atr", "--delta", "0.07", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["bounds"]
+    assert (row["low"], row["high"]) == pytest.approx((0.6710, 1.4222), abs=5e-5)
+    assert cli_main(["bounds", "--objective", "trgppo", "--q", "0.5", "--q", "0.01", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["bounds"]
+    assert [r["q"] for r in rows] == [0.5, 0.01] and rows[1]["high"] > 9
+    assert cli_main(["bounds", "--objective", "kl1"]) == 0
+    assert "[0.9324, inf]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="has no ratio interval"):
+        cli_main(["bounds", "--objective", "sapo"])
+    with pytest.raises(SystemExit, match="delta=-1.0 is invalid"):
+        cli_main(["bounds", "--objective", "kl3", "--delta", "-1"])
+    assert math.isfinite(tc.ratio_bounds("clip")[1])

@@ -1,0 +1,65 @@
+"""`trustclip bounds`: the ratio region [l, u] of an objective's constraint (and its figure)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from trustclip.objectives import get_objective, ratio_bounds
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--objective", default="atr", help="objective name (default: atr, i.e. kl3)")
+    parser.add_argument("--delta", type=float, help="divergence threshold (objectives with a delta)")
+    parser.add_argument("--epsilon", type=float, help="clip range (clip, trgppo)")
+    parser.add_argument("--q", type=float, action="append",
+                        help="old token probability, for q-dependent regions (dcpo, trgppo); repeatable")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw every divergence vs w with its interval, and dcpo/trgppo bounds vs q")
+
+
+def _hparams(args: argparse.Namespace) -> dict:
+    params = get_objective(args.objective).spec.params
+    given = {"delta": args.delta, "epsilon": args.epsilon}
+    unused = [k for k, v in given.items() if v is not None and k not in params]
+    if unused:
+        raise SystemExit(f"error: objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        hparams = _hparams(args)
+        objective = get_objective(args.objective, **hparams)
+        if objective.spec.q_dependent:
+            qs = args.q or [0.9, 0.5, 0.1, 0.01]
+            rows = [{"q": q, "low": lo, "high": hi} for q in qs for lo, hi in [ratio_bounds(objective, q=q)]]
+        else:
+            if args.q:
+                raise ValueError(f"objective {objective.name!r} has constant bounds; --q does not apply")
+            low, high = ratio_bounds(objective)
+            rows = [{"low": low, "high": high}]
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    result = {"objective": objective.name, "hparams": dict(objective.hparams), "bounds": rows}
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        settings = ", ".join(f"{k}={v}" for k, v in objective.hparams.items())
+        print(f"{objective.name} ({settings}): ratio region")
+        for row in rows:
+            where = f"q={row['q']:<6g} " if "q" in row else ""
+            print(f"  {where}[{_fmt(row['low'])}, {_fmt(row['high'])}]")
+    if args.plot:
+        from trustclip.figures import plot_divergence_regions
+
+        kwargs = {"delta": args.delta} if args.delta is not None else {}
+        plot_divergence_regions(args.plot, **kwargs)
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+def _fmt(x: float) -> str:
+    return "inf" if math.isinf(x) else f"{x:.4f}"
