@@ -145,7 +145,8 @@ def binary_kl(q, r):
     token is rescaled proportionally: q log(1/r) + (1-q) log((1-q)/(1-rq))."""
     if hasattr(q, "log"):
         return -q * r.log() + (1 - q) * ((1 - q).log() - (1 - r * q).log())
-    return -q * np.log(r) + (1 - q) * (np.log1p(-q) - np.log1p(-r * q))
+    with np.errstate(divide="ignore"):  # r = 1/q gives log(0) = -inf, i.e. KL = +inf: correct for bisection
+        return -q * np.log(r) + (1 - q) * (np.log1p(-q) - np.log1p(-r * q))
 
 
 def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 100):
