@@ -1,0 +1,88 @@
+"""`trustclip theory`: rerunnable check of Theorems 5.1 and 5.2 of the ATR paper (arXiv 2602.05494) on a
+tabular softmax policy: one exact policy-gradient step under ratio clipping and under ATR clipping, for
+random policies, advantages and ratios in the events X- and X+. See `trustclip.theory` for the maths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from trustclip import theory
+
+NOTES = """\
+Thm5.1 err: exact logit difference vs Theorem 5.1 (exact up to round-off: a PG step is linear in eta).
+1st-order:  -Cov_pi_k(Delta theta, log pi_k)
+              = +/- eta d(s) Cov_pi_k(pi_k(a) [A 1[X](a) - E A 1[X]], log pi_k(a))   (X-: +, X+: -);
+            its error must shrink like eta^2.
+printed:    Theorem 5.2 as printed, +/- eta d(s) Cov_pi_k(A 1[X](a), log pi_k(a)), without the pi_k(a)
+            weight of Theorem 5.1: its error shrinks only like eta for the vanilla step (it is the
+            first-order term of the natural-gradient step: --step natural).
+sign:       fraction of states where the prediction has the sign of the exact Delta H = H(ATR) - H(clip)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--delta", type=float, default=0.07, help="KL3 threshold (default 0.07)")
+    parser.add_argument("--seeds", type=int, default=8, help="random problems per event (default 8)")
+    parser.add_argument("--states", type=int, default=4, help="states per problem (default 4)")
+    parser.add_argument("--actions", type=int, default=6, help="actions per state (default 6, >= 3)")
+    parser.add_argument("--etas", type=float, nargs="+", default=list(theory.DEFAULT_ETAS),
+                        help="learning rates (default %(default)s)")
+    parser.add_argument("--form", choices=theory.FORMS, default="clip",
+                        help="surrogate: 'clip' = paper eq. 14/15 (default), 'ppo' = min(w A, clip(w) A)")
+    parser.add_argument("--step", choices=theory.STEPS, default="vanilla",
+                        help="update: 'vanilla' policy gradient (the theorems' setting) or 'natural'")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write error-vs-eta and sign figure")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _settings_text(delta: float) -> str:
+    lines = []
+    for event in theory.EVENTS:
+        s = theory.event_setting(event, delta)
+        who = "ATR clips, ratio clipping does not" if event == "X-" else "ratio clipping clips, ATR does not"
+        lines.append(
+            f"  {event}: ATR [{s.atr[0]:.4f}, {s.atr[1]:.4f}] vs clip eps={s.epsilon:.4f} "
+            f"[{s.ratio[0]:.4f}, {s.ratio[1]:.4f}]; "
+            f"{event} = w in [{s.interval[0]:.4f}, {s.interval[1]:.4f}] ({who})"
+        )
+    return "\n".join(lines)
+
+
+def _slopes_text(slopes: dict[str, dict[str, float]]) -> str:
+    parts = [f"{e}: first-order {s['first_order']:.2f}, printed {s['paper']:.2f}" for e, s in slopes.items()]
+    return "fitted slope of log(max |dH error|) vs log(eta) -- " + " | ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    kwargs = dict(delta=args.delta, seeds=args.seeds, num_states=args.states, num_actions=args.actions,
+                  form=args.form, step=args.step)
+    try:
+        rows = theory.theorem_table(etas=args.etas, **kwargs)
+        slopes = theory.fit_slopes(rows) if len(args.etas) > 1 else {}
+    except ValueError as err:
+        print(f"trustclip theory: error: {err}")
+        return 2
+    if args.plot:
+        from trustclip.figures import plot_theory_check
+
+        eta = min(args.etas)
+        plot_theory_check(args.plot, rows, theory.entropy_samples(eta=eta, **kwargs), eta=eta)
+    if args.json:
+        settings = {e: asdict(theory.event_setting(e, args.delta)) for e in theory.EVENTS}
+        print(json.dumps({"config": kwargs, "settings": settings, "rows": [asdict(r) for r in rows],
+                          "slopes": slopes, "plot": args.plot}, indent=2))
+        return 0
+    print(f"Theorems 5.1/5.2 of arXiv 2602.05494: one exact PG step (autograd, surrogate '{args.form}', "
+          f"{args.step} step)\non {args.seeds} seeds x {args.states} states x {args.actions} actions "
+          f"per event; delta = {args.delta:g}")
+    print(_settings_text(args.delta))
+    print()
+    print(theory.format_table(rows))
+    print()
+    if slopes:
+        print(_slopes_text(slopes))
+    print(NOTES)
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
