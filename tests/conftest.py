@@ -1,0 +1,42 @@
+"""Shared fixtures. Everything runs offline: the hub is switched off before transformers is imported,
+and the tiny model cache goes to a per-session temporary directory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Set before any test imports transformers/datasets: a hub id without it hangs ~45 s on retries.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRUSTCLIP_CACHE", tempfile.mkdtemp(prefix="trustclip-test-cache-"))
+
+import pytest  # noqa: E402
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of a freshly built tiny Qwen3 model + char-level tokenizer (seed 0)."""
+    from trustclip.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_and_tokenizer(tiny_model_path: Path):
+    """(model, tokenizer) loaded from `tiny_model_path`. Shared by the session: do not train it in place."""
+    from trustclip.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    """The shared benchmark JSONL files; tests that need them are skipped when they are absent."""
+    if not (SHARED_DATA / "aime2024.jsonl").is_file():
+        pytest.skip(f"shared benchmark data not found in {SHARED_DATA}")
+    return SHARED_DATA

@@ -1,0 +1,264 @@
+"""Load prompt rows `{"id", "problem", "answer", ...}` from local files, the hub, or the synthetic task.
+
+Sources understood by `load_prompts`:
+- a local `.jsonl` / `.ndjson`, `.json` (an array of objects, `{"data": [...]}`, or JSON Lines) or
+  `.parquet` file;
+- `builtin:<split>`: a split of the synthetic task (`builtin:train`, `builtin:amc_like`, ...);
+- anything else is a Hugging Face hub dataset id, loaded with `datasets.load_dataset` (needs internet).
+
+Field names are configurable (`problem_key`, `answer_key`, `id_key`). The verl/DAPO-Math-17k hub layout
+(`prompt` = list of chat messages, `reward_model.ground_truth`, `extra_info.index`) is recognised when
+the problem field is absent; DAPO's own "Answer:" instruction wrapper is stripped from the problem, since
+our templates add the `\\boxed{}` instruction. Every record is validated while loading, so a malformed
+file fails with `DataFormatError` naming the file and line before any training starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+FILE_SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet"}
+BUILTIN_PREFIX = "builtin:"
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the "
+    "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+class DataFormatError(ValueError):
+    """A data file or record that cannot be used; the message names the file and line (or row)."""
+
+
+def load_prompts(
+    source: str | os.PathLike,
+    *,
+    split: str = "train",
+    subset: str | None = None,
+    problem_key: str = "problem",
+    answer_key: str = "answer",
+    id_key: str = "id",
+    limit: int | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Load and validate prompt rows from a local file, `builtin:<split>`, or a hub dataset id.
+
+    Returns rows `{"id": str, "problem": str, "answer": str, **scalar extra fields}`. `split` and
+    `subset` apply to hub datasets; `seed` to the builtin synthetic task; `limit` keeps the first rows.
+    """
+    keys = (problem_key, answer_key, id_key)
+    source_str = str(source)
+    if source_str.startswith(BUILTIN_PREFIX):
+        rows = _load_builtin(source_str[len(BUILTIN_PREFIX) :], seed)
+    elif Path(source_str).exists():
+        rows = _load_file(Path(source_str), keys)
+    elif Path(source_str).suffix.lower() in FILE_SUFFIXES or source_str.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"data file not found: {source_str}")
+    else:
+        rows = _load_hub(source_str, split, subset, keys)
+    return rows[:limit] if limit is not None else rows
+
+
+def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
+    """Parse CLI benchmark specs into `{name: rows}`.
+
+    A spec is `NAME=SOURCE`, a bare `SOURCE` (named after the file stem), or `builtin` (all held-out
+    synthetic splits: `amc_like`, `aime24_like`, `aime25_like`). `kwargs` go to `load_prompts`.
+    """
+    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in specs:
+        if spec == "builtin":
+            pairs = [(name, BUILTIN_PREFIX + name) for name in DEFAULT_EVAL_SPLITS]
+        elif "=" in spec:
+            name, _, source = spec.partition("=")
+            if not name or not source:
+                raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=FILE")
+            pairs = [(name, source)]
+        else:
+            pairs = [(Path(spec).stem if Path(spec).suffix else spec.rsplit(":", 1)[-1], spec)]
+        for name, source in pairs:
+            if name in out:
+                raise ValueError(f"benchmark name {name!r} given twice")
+            out[name] = load_prompts(source, **kwargs)
+    return out
+
+
+def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
+    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, make_synthetic_splits
+
+    known = ["train", *DEFAULT_EVAL_SPLITS]
+    if split not in known:
+        raise ValueError(f"unknown builtin split {split!r}; choose from {known}")
+    return make_synthetic_splits(seed=seed, n_train=2000 if split == "train" else 0)[split]
+
+
+def _load_file(path: Path, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        records = _iter_jsonl(path)
+    elif suffix == ".json":
+        records = _iter_json(path)
+    elif suffix == ".parquet":
+        records = _iter_parquet(path)
+    else:
+        raise DataFormatError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
+    rows = [_normalize(rec, where, keys, default_id=f"{path.stem}-{i}") for i, (where, rec) in enumerate(records)]
+    if not rows:
+        raise DataFormatError(f"{path}: empty file (no records)")
+    return rows
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+
+
+def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    stripped = text.lstrip()
+    if not stripped:
+        return
+    if stripped.startswith("["):
+        yield from _iter_json_array(path, text)
+        return
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # JSON Lines saved with a .json suffix
+            yield from _iter_jsonl(path)
+            return
+        raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if isinstance(obj, dict):
+        lists = [v for v in obj.values() if isinstance(v, list)]
+        if "data" in obj and isinstance(obj["data"], list):
+            lists = [obj["data"]]
+        if len(lists) == 1:  # e.g. {"data": [...]}; line numbers are not recoverable here
+            yield from ((f"{path}: record {i}", rec) for i, rec in enumerate(lists[0]))
+            return
+        yield f"{path}:1", obj  # a single record
+        return
+    raise DataFormatError(f"{path}:1: expected a JSON array or object, got {type(obj).__name__}")
+
+
+def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
+    # Decode element by element so each record keeps the line it starts on.
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos >= len(text):
+            raise DataFormatError(f"{path}:{text.count(chr(10)) + 1}: invalid JSON (unterminated array)")
+        if text[pos] == "]":
+            return
+        line = text.count("\n", 0, pos) + 1
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        yield f"{path}:{line}", obj
+        pos = _skip_ws(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+        elif pos >= len(text) or text[pos] != "]":
+            line = text.count("\n", 0, pos) + 1
+            raise DataFormatError(f"{path}:{line}: invalid JSON (expected ',' or ']' between records)")
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises several types for corrupt files
+        raise DataFormatError(f"{path}: cannot read parquet file ({err})") from None
+    for i, rec in enumerate(table.to_pylist()):
+        yield f"{path}: row {i}", rec
+
+
+def _load_hub(name: str, split: str, subset: str | None, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, subset, split=split)
+    except Exception as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+        hint = " (HF_HUB_OFFLINE is set: only locally cached datasets load)" if offline else ""
+        raise DataFormatError(f"cannot load hub dataset {name!r} split {split!r}{hint}: {err}") from err
+    rows = [_normalize(rec, f"{name}[{split}] row {i}", keys, default_id=f"{i}") for i, rec in enumerate(ds)]
+    if not rows:
+        raise DataFormatError(f"{name}[{split}]: dataset is empty")
+    return rows
+
+
+def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: str) -> dict[str, Any]:
+    problem_key, answer_key, id_key = keys
+    if not isinstance(record, dict):
+        raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    dapo = problem_key not in record and _is_dapo(record)
+    problem = _dapo_problem(record["prompt"]) if dapo else record.get(problem_key)
+    answer = record["reward_model"].get("ground_truth") if dapo and answer_key not in record else record.get(answer_key)
+    for key, value in ((problem_key, problem), (answer_key, answer)):
+        if value is None:
+            present = ", ".join(sorted(record)) or "none"
+            raise DataFormatError(f"{where}: missing field {key!r} (fields present: {present})")
+    if not isinstance(problem, str) or not problem.strip():
+        raise DataFormatError(f"{where}: field {problem_key!r} must be a non-empty string, got {problem!r}")
+    answer = _answer_to_str(answer, where, answer_key)
+    rid = record.get(id_key)
+    if rid is None and dapo and isinstance(record.get("extra_info"), dict):
+        rid = record["extra_info"].get("index")
+    dropped = {problem_key, answer_key, id_key, "prompt", "reward_model"} if dapo else {problem_key, answer_key, id_key}
+    extras = {k: v for k, v in record.items() if k not in dropped and isinstance(v, str | int | float | bool)}
+    return {
+        **extras,
+        "id": str(default_id if rid is None else rid),
+        "problem": problem.strip(),
+        "answer": answer,
+    }
+
+
+def _answer_to_str(answer: Any, where: str, key: str) -> str:
+    if isinstance(answer, bool):
+        raise DataFormatError(f"{where}: field {key!r} must be a string or number, got {answer!r}")
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))  # e.g. AMC sources store 142.0
+    if isinstance(answer, int | float):
+        return str(answer)
+    if isinstance(answer, str) and answer.strip():
+        return answer.strip()
+    raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")
+
+
+def _is_dapo(record: dict) -> bool:
+    return isinstance(record.get("prompt"), list) and isinstance(record.get("reward_model"), dict)
+
+
+def _dapo_problem(messages: list) -> str | None:
+    users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role", "user") == "user"]
+    if not users or not isinstance(users[-1], str):
+        return None
+    text = users[-1].strip()
+    if text.startswith(DAPO_PREFIX.strip()) or text.startswith(DAPO_PREFIX):
+        text = text[len(DAPO_PREFIX) :] if text.startswith(DAPO_PREFIX) else text[len(DAPO_PREFIX.strip()) :]
+    if text.endswith(DAPO_SUFFIX.strip()):
+        text = text[: -len(DAPO_SUFFIX.strip())]
+    return text.strip()

@@ -1,0 +1,172 @@
+"""Built-in synthetic verifiable task: integer arithmetic at several difficulty levels.
+
+It is the offline CPU stand-in for competition math. Rows have the same format as the math benchmarks
+(`{"id", "problem", "answer"}`, answer a string), plus `solution` (a short worked solution ending in
+`\\boxed{N}`, for the SFT-for-format stage) and `level`. One reward and one eval path serve both.
+
+Levels (operands are drawn uniformly from `[lo, hi]`; `*` is always the last step and multiplies by a
+one-digit number):
+
+| level | example problem            | worked solution                      |
+|-------|----------------------------|--------------------------------------|
+| 1     | `Compute 12+35.`           | `12+35=47. \\boxed{47}`              |
+| 2     | `Compute 52-75.`           | `52-75=-23. \\boxed{-23}`            |
+| 3     | `Compute 12+35-7.`         | `12+35=47. 47-7=40. \\boxed{40}`     |
+| 4     | `Compute (12+35)*7.`       | `12+35=47. 47*7=329. \\boxed{329}`   |
+
+Splits from `make_synthetic_splits` (the analogues of the paper's benchmarks, easy to hard):
+
+- `train`: levels 1-4 mixed (configurable), for SFT and RL;
+- `amc_like`: levels 1-2; `aime24_like`: level 3; `aime25_like`: level 4.
+
+Held-out splits are disjoint from `train` and from each other (exact problem text), and everything is
+a pure function of the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PROBLEM_FORMAT = "Compute {expr}."
+
+
+@dataclass(frozen=True)
+class ArithmeticLevel:
+    """One difficulty level: `n_operands` numbers in `[lo, hi]` joined by operators from `ops`."""
+
+    n_operands: int
+    ops: str
+    lo: int = 0
+    hi: int = 99
+
+    def __post_init__(self) -> None:
+        if self.n_operands < 2:
+            raise ValueError(f"n_operands must be >= 2, got {self.n_operands}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ValueError(f"ops must be a non-empty subset of '+-*', got {self.ops!r}")
+        if self.lo > self.hi or self.lo < 0:
+            raise ValueError(f"need 0 <= lo <= hi, got lo={self.lo}, hi={self.hi}")
+
+
+LEVELS: dict[int, ArithmeticLevel] = {
+    1: ArithmeticLevel(2, "+"),
+    2: ArithmeticLevel(2, "+-"),
+    3: ArithmeticLevel(3, "+-"),
+    4: ArithmeticLevel(3, "+-*"),
+}
+DEFAULT_TRAIN_LEVELS: tuple[int, ...] = (1, 2, 3, 4)
+DEFAULT_EVAL_SPLITS: dict[str, tuple[int, ...]] = {
+    "amc_like": (1, 2),
+    "aime24_like": (3,),
+    "aime25_like": (4,),
+}
+
+
+def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, str | int]:
+    """Draw one problem; returns `problem`, `answer`, `solution` and `level`.
+
+    The expression is evaluated left to right. When `*` is among the level's operators it is the last
+    step (times a one-digit number), and a sum before it gets parentheses, so the written expression
+    and the step-by-step chain always agree.
+    """
+    spec = LEVELS[level] if isinstance(level, int) else level
+    acc = rng.randint(spec.lo, spec.hi)
+    expr, steps = str(acc), []
+    additive = spec.ops.replace("*", "")
+    for i in range(spec.n_operands - 1):
+        last = i == spec.n_operands - 2
+        op = "*" if "*" in spec.ops and (last or not additive) else rng.choice(additive)
+        x = rng.randint(2, 9) if op == "*" else rng.randint(spec.lo, spec.hi)
+        new = acc + x if op == "+" else acc - x if op == "-" else acc * x
+        if op == "*" and any(o in expr for o in "+-"):
+            expr = f"({expr})"
+        expr = f"{expr}{op}{x}"
+        steps.append(f"{acc}{op}{x}={new}.")
+        acc = new
+    return {
+        "problem": PROBLEM_FORMAT.format(expr=expr),
+        "answer": str(acc),
+        "solution": " ".join(steps) + f" \\boxed{{{acc}}}",
+        "level": level if isinstance(level, int) else repr(spec),
+    }
+
+
+def _draw_split(
+    name: str,
+    n: int,
+    levels: Sequence[int | ArithmeticLevel],
+    seed: int,
+    exclude: set[str],
+    max_tries_factor: int = 50,
+) -> list[dict]:
+    # A string seed gives an independent, reproducible stream per split (hash-seed independent).
+    rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
+    rows: list[dict] = []
+    seen = set(exclude)
+    for _ in range(max(n, 1) * max_tries_factor):
+        if len(rows) == n:
+            break
+        level = levels[len(rows) % len(levels)]  # round robin keeps the level mix exact
+        row = make_problem(level, rng)
+        if row["problem"] in seen:
+            continue
+        seen.add(row["problem"])
+        rows.append({"id": f"{name}-{len(rows)}", **row})
+    if len(rows) < n:
+        raise ValueError(
+            f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
+            f"{tuple(levels)}); lower n or add harder levels"
+        )
+    exclude |= seen
+    return rows
+
+
+def _check_levels(split: str, levels: Sequence[int | ArithmeticLevel]) -> None:
+    if not levels:
+        raise ValueError(f"split {split!r} has no levels")
+    for lv in levels:
+        if not isinstance(lv, ArithmeticLevel) and lv not in LEVELS:
+            raise ValueError(f"split {split!r}: unknown level {lv!r}; known levels: {sorted(LEVELS)}")
+
+
+def make_synthetic_splits(
+    seed: int = 0,
+    n_train: int = 2000,
+    n_eval: int = 64,
+    *,
+    train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
+    eval_splits: dict[str, Sequence[int | ArithmeticLevel]] | None = None,
+) -> dict[str, list[dict]]:
+    """Train split plus held-out splits of increasing difficulty, deterministic from `seed`.
+
+    Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever
+    trained on. Returns `{"train": rows, "amc_like": rows, "aime24_like": rows, "aime25_like": rows}`
+    by default; each row is `{"id", "problem", "answer", "solution", "level"}`. Levels are keys of
+    `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)` for an easier task).
+    """
+    _check_levels("train", train_levels)
+    eval_splits = dict(DEFAULT_EVAL_SPLITS if eval_splits is None else eval_splits)
+    for name, lvs in eval_splits.items():
+        _check_levels(name, lvs)
+    taken: set[str] = set()
+    held_out = {name: _draw_split(name, n_eval, lvs, seed, taken) for name, lvs in eval_splits.items()}
+    return {"train": _draw_split("train", n_train, tuple(train_levels), seed, taken), **held_out}
+
+
+def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto") -> list[dict[str, str]]:
+    """Prompt/completion pairs for the SFT-for-format stage (TRL `SFTTrainer` prompt-completion format).
+
+    The prompt is built with `trustclip.data.templates.format_prompt` (the same path RL and eval use);
+    the completion is the worked solution. No eos is appended: TRL's SFTTrainer adds it, a hand-written
+    loop should append `tokenizer.eos_token` itself.
+    """
+    from trustclip.data.templates import format_prompt
+
+    out = []
+    for i, row in enumerate(rows):
+        if "solution" not in row:
+            raise ValueError(f"row {i} (id {row.get('id')!r}) has no 'solution' field")
+        out.append({"prompt": format_prompt(row["problem"], tokenizer, style=style), "completion": row["solution"]})
+    return out

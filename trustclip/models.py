@@ -1,0 +1,228 @@
+"""Model and tokenizer loading, plus a tiny offline Qwen3 model for CPU runs and tests.
+
+The tiny model is a randomly initialised `Qwen3ForCausalLM` (about 1 M parameters by default) with a
+character-level tokenizer built with the `tokenizers` library. Nothing is downloaded: it is built from a
+config, saved with `save_pretrained`, and reloaded with `from_pretrained` like any hub model. Builds are
+cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` or `TRUSTCLIP_CACHE`).
+
+`load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and the name
+`"builtin:tiny"` (the cached tiny model, built on first use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import string
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TINY_MODEL_NAME = "builtin:tiny"
+SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
+# Every printable ASCII character plus newline: covers the synthetic task, the prompt templates,
+# `\boxed{}` and worked solutions. Order matters for ids, so it is fixed here (bump FORMAT_VERSION
+# when changing it: the cache key depends on it).
+CHARACTERS = "\n" + "".join(ch for ch in string.printable if ch not in "\t\n\r\x0b\x0c")
+FORMAT_VERSION = 1
+# Marker stored in tokenizer_config.json; `trustclip.data.templates` uses it to pick the short prompt.
+PROMPT_STYLE_KEY = "trustclip_prompt_style"
+TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of the tiny Qwen3 model. The defaults give about 1 M parameters."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 512
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        payload = json.dumps({**asdict(self), "chars": CHARACTERS, "v": FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TRUSTCLIP_CACHE", Path.home() / ".cache" / "trustclip"))
+
+
+def build_tokenizer() -> Any:
+    """Character-level `PreTrainedTokenizerFast` (one token per character, left padding)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
+    for ch in CHARACTERS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        padding_side="left",  # must go to the constructor: set as an attribute it is not saved
+        chat_template=TINY_CHAT_TEMPLATE,
+        model_max_length=TinyModelConfig.max_position_embeddings,
+        **SPECIAL_TOKENS,
+        **{PROMPT_STYLE_KEY: "tiny"},
+    )
+    return tokenizer
+
+
+def build_tiny_model(
+    path: str | os.PathLike | None = None,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
+
+    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>` and an existing
+    build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
+    processes never see a half-written checkpoint.
+    """
+    cfg = TinyModelConfig(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+    )
+    if path is None:
+        path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
+    path = Path(path)
+    if _is_complete_checkpoint(path) and not overwrite:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        _save_tiny(cfg, tmp)
+        if overwrite and path.exists():
+            shutil.rmtree(path)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race and wrote an equivalent build
+            if not _is_complete_checkpoint(path):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = cfg.max_position_embeddings
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in SPECIAL_TOKENS.items()}
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=ids["pad_token"],
+        eos_token_id=ids["eos_token"],
+        bos_token_id=ids["bos_token"],
+    )
+    # Seed a private generator state so building never perturbs the caller's RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=ids["pad_token"], eos_token_id=ids["eos_token"], bos_token_id=ids["bos_token"]
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _is_complete_checkpoint(path: Path) -> bool:
+    return (
+        (path / "config.json").is_file()
+        and (path / "tokenizer.json").is_file()
+        and any(path.glob("model*.safetensors"))
+    )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
+    """`AutoTokenizer.from_pretrained` with left padding and a guaranteed pad token."""
+    from transformers import AutoTokenizer
+
+    name_or_path = resolve_model_name(name_or_path)
+    kwargs.setdefault("padding_side", "left")  # decoder-only batched generation needs left padding
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model_and_tokenizer(
+    name_or_path: str | os.PathLike,
+    *,
+    device: str | None = None,
+    dtype: Any = None,
+    tokenizer_kwargs: dict[str, Any] | None = None,
+    **model_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer from a hub id, a local directory, or `"builtin:tiny"`.
+
+    The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads
+    correctly. `dtype` is passed to `from_pretrained` (e.g. `torch.bfloat16` or `"auto"`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    name_or_path = resolve_model_name(name_or_path)
+    tokenizer_kwargs = dict(tokenizer_kwargs or {})
+    if "trust_remote_code" in model_kwargs:  # applies to both halves of a custom-code checkpoint
+        tokenizer_kwargs.setdefault("trust_remote_code", model_kwargs["trust_remote_code"])
+    tokenizer = load_tokenizer(name_or_path, **tokenizer_kwargs)
+    if dtype is not None:
+        model_kwargs["dtype"] = dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_kwargs)
+    except OSError as err:
+        hint = " (HF_HUB_OFFLINE is set: only local paths and cached hub models load)" if _offline() else ""
+        raise OSError(f"could not load model {str(name_or_path)!r}{hint}: {err}") from err
+    gen = model.generation_config
+    gen.pad_token_id = tokenizer.pad_token_id
+    if gen.eos_token_id is None:
+        gen.eos_token_id = tokenizer.eos_token_id
+    if device is not None:
+        model = model.to(device)
+    return model, tokenizer
+
+
+def resolve_model_name(name_or_path: str | os.PathLike) -> str:
+    """`"builtin:tiny"` becomes the cached tiny model's directory; anything else is returned as is."""
+    name = str(name_or_path)
+    if name == TINY_MODEL_NAME:
+        return str(build_tiny_model())
+    return name
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
