@@ -29,7 +29,7 @@ run: $(STAMP)
 
 test: $(STAMP) $(VERL_STAMP)
 	$(VENV)/bin/pytest -q
-	$(VERL_VENV)/bin/pytest -q tests/verl
+	$(VERL_VENV)/bin/pytest -q tests/verl_plugin
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,59 @@
+"""`TrustclipPolicyLossConfig`: verl's `PolicyLossConfig` plus the hyper-parameters of a trustclip loss.
+
+Select it with Hydra's `_target_` (verl instantiates the actor config, and this class with it, in every
+actor worker):
+
+    actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3
+    +actor_rollout_ref.actor.policy_loss.objective_kwargs={delta:0.07}
+
+`objective_kwargs` holds the objective's hyper-parameters under trustclip's names (`delta`, `epsilon_low`,
+`epsilon_high`, `clip_ratio_c`, `tau_pos`, ...); anything left out takes trustclip's default for that
+objective (`trustclip.list_objectives()`), so the defaults are trustclip's by construction. verl's own
+knobs (`actor.clip_ratio*`, `clip_ratio_c`, `tau_*`, `policy_loss.clip_cov_*`, `kl_cov_ratio`,
+`ppo_kl_coef`) keep serving verl's losses and are not read by `trustclip_*` losses. The values are
+validated when the config is built, with trustclip's messages. Importing this module (Hydra does, to
+instantiate the class) registers the trustclip losses in the process, so a broken install fails here,
+loudly, rather than later as "Unsupported loss mode".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trustclip.integrations.verl_plugin import NO_VERL, PREFIX, build_objective, normalize_kwargs, verl_installed
+
+if not verl_installed():  # (importing the plugin already raises this; kept so the order cannot be "fixed")
+    raise ImportError(NO_VERL)
+
+from verl.workers.config import PolicyLossConfig  # noqa: E402
+
+
+@dataclass
+class TrustclipPolicyLossConfig(PolicyLossConfig):
+    """verl `PolicyLossConfig` with `objective_kwargs`, the hyper-parameters of a `trustclip_*` loss mode.
+
+    Args:
+        objective_kwargs (dict): trustclip hyper-parameters of the objective behind `loss_mode`, e.g.
+            `{"delta": 0.07}` for `trustclip_kl3`; omitted ones take trustclip's defaults. A JSON object
+            string is accepted too. Only `trustclip_*` loss modes read it, so it must be empty otherwise.
+    """
+
+    objective_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parent_post_init = getattr(super(), "__post_init__", None)
+        if parent_post_init is not None:  # none in verl 0.9.1; keep any later verl validation
+            parent_post_init()
+        kwargs = normalize_kwargs(self.objective_kwargs)
+        object.__setattr__(self, "objective_kwargs", kwargs)  # BaseConfig fields are frozen once set
+        if self.loss_mode.startswith(PREFIX):
+            build_objective(self.loss_mode, kwargs)  # ValueError naming the bad key / value / mode
+        elif kwargs:
+            bypass = (" (verl switches loss_mode to bypass_mode when algorithm.rollout_correction.bypass_mode="
+                      "true, replacing the configured loss)") if self.loss_mode == "bypass_mode" else ""
+            raise ValueError(
+                f"policy_loss.objective_kwargs={kwargs} is only read by trustclip_* loss modes, but "
+                f"loss_mode={self.loss_mode!r}{bypass}; set loss_mode=trustclip_<objective> or drop objective_kwargs"
+            )

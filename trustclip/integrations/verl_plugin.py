@@ -1,0 +1,348 @@
+"""trustclip objectives as verl policy losses (tested with verl 0.9.1).
+
+Importing this module registers every trustclip objective (and alias) in verl's policy-loss registry
+under `trustclip_<name>`, e.g. `trustclip_kl3` / `trustclip_atr` (ATR-GRPO), `trustclip_clip_higher`.
+verl imports it in every process at `import verl` through the `verl.plugins` entry point that the
+installed trustclip package declares; the fallback is `VERL_USE_EXTERNAL_MODULES=trustclip.integrations.verl_plugin`.
+Select a loss with `actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3`, and its
+hyper-parameters with `policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig`
+plus `+actor_rollout_ref.actor.policy_loss.objective_kwargs={delta:0.07}` (see docs/verl.md).
+
+Each loss follows verl's contract: the signature of `compute_policy_loss_vanilla`, the per-token loss
+multiplied by `rollout_is_weights`, aggregated by verl's own `agg_loss(..., **config.global_batch_info)`,
+and metrics as plain floats: `actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower` with verl's
+meaning, plus every trustclip metric as `actor/objective/<key>` (the TRL trainer logs `objective/<key>`).
+
+verl swallows plugin import errors at DEBUG level (a broken plugin then shows up only as "Unsupported loss
+mode"), so any failure here is logged at ERROR level before it is re-raised.
+`python -m trustclip.integrations.verl_plugin` prints the name mapping and whether `import verl` found it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_log = logging.getLogger(__name__)
+_FAILED = ("trustclip verl plugin: %s failed (%s: %s); verl will report the trustclip_* losses as "
+           "'Unsupported loss mode'.")
+
+try:  # verl logs plugin import errors only at DEBUG: make them visible first
+    import torch
+
+    from trustclip.objectives import REGISTRY, Objective, get_objective, policy_metrics
+    from trustclip.objectives.batch import PolicyBatch
+    from trustclip.objectives.loss import compute_token_loss
+    from trustclip.objectives.registry import ALIASES, TokenLoss
+    from trustclip.trainers.metric_names import objective_name
+except Exception as _err:
+    _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
+    raise
+
+PREFIX = "trustclip_"
+TESTED_VERL_VERSION = "0.9.1"
+NO_VERL = (
+    "trustclip's verl plugin needs verl, which is not installed in this environment. verl 0.9.1 pins "
+    "transformers<5.11, so install it in its own virtual environment: "
+    "python -m venv .venv-verl && .venv-verl/bin/pip install -e '.[verl]' (from a trustclip checkout; see docs/verl.md)"
+)
+# verl's actor / policy_loss knobs that trustclip losses do not read, with verl 0.9.1's defaults.
+VERL_KNOBS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
+              "tau_pos": 1.0, "tau_neg": 1.05}
+VERL_POLICY_LOSS_KNOBS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0,
+                          "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}
+SEQUENCE_LEVEL = ("gspo", "sapo")  # their papers (and verl's sapo) aggregate seq-mean-token-mean
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+_warned: set[str] = set()
+
+
+class VerlPluginError(RuntimeError):
+    """The plugin cannot register or run a trustclip loss in verl."""
+
+
+def verl_installed() -> bool:
+    """Whether the real verl package is importable (a namespace directory named `verl` does not count)."""
+    spec = importlib.util.find_spec("verl")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def _core_algos() -> Any:
+    """verl's `verl.trainer.ppo.core_algos`, or ImportError with install instructions."""
+    if not verl_installed():
+        raise ImportError(NO_VERL)
+    from verl.trainer.ppo import core_algos
+
+    return core_algos
+
+
+# --------------------------------------------------------------------------- names
+def verl_loss_names() -> dict[str, str]:
+    """verl loss name -> trustclip objective name, for every objective and alias (`trustclip_<name>`)."""
+    names = {PREFIX + name: name for name in REGISTRY}
+    names.update({PREFIX + alias: target for alias, target in ALIASES.items()})
+    return dict(sorted(names.items()))
+
+
+def objective_for_loss_mode(loss_mode: str) -> str:
+    """trustclip objective of a `trustclip_*` loss mode; ValueError naming the valid modes otherwise."""
+    names = verl_loss_names()
+    if loss_mode not in names:
+        raise ValueError(f"{loss_mode!r} is not a trustclip loss mode; valid: {', '.join(names)}")
+    return names[loss_mode]
+
+
+# --------------------------------------------------------------------------- hyper-parameters
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    """`config.key` for verl dataclass configs, OmegaConf DictConfigs and plain dicts alike."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def normalize_kwargs(value: Any) -> dict[str, Any]:
+    """`objective_kwargs` as a plain dict: a dict / DictConfig, a JSON object string, or None (-> {})."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"policy_loss.objective_kwargs={value!r} is not a JSON object: {err}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"policy_loss.objective_kwargs must be a mapping, got {type(value).__name__}")
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with verl
+        pass
+    return {str(k): v for k, v in value.items()}
+
+
+def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
+    """The trustclip objective of a verl loss mode with `objective_kwargs` over trustclip's defaults.
+
+    Raises ValueError (naming the verl config key) on an unknown or invalid hyper-parameter, and when
+    the objective needs per-token inputs that verl's policy-loss interface does not pass.
+    """
+    name = objective_for_loss_mode(loss_mode)
+    try:
+        objective = get_objective(name, **normalize_kwargs(objective_kwargs))
+    except ValueError as err:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.objective_kwargs for {loss_mode}: {err}") from None
+    if objective.requires:
+        raise ValueError(
+            f"{loss_mode} needs the per-token input(s) {list(objective.requires)}, which verl's policy-loss "
+            "interface does not provide (verl passes only log-probs, advantages, the response mask and rollout "
+            "IS weights). Use it through trustclip's TRL trainer, or pick another objective."
+        )
+    return objective
+
+
+def objective_from_config(loss_mode: str, config: Any) -> Objective:
+    """Objective of `loss_mode` with the hyper-parameters of `config.policy_loss.objective_kwargs`."""
+    policy_loss = _get(config, "policy_loss")
+    if _get(policy_loss, "objective_kwargs", None) is None and config is not None:
+        _warn_once(
+            f"{loss_mode}: actor.policy_loss is not a TrustclipPolicyLossConfig, so trustclip's default "
+            f"hyper-parameters are used. Set actor_rollout_ref.actor.policy_loss._target_="
+            "trustclip.integrations.verl_config.TrustclipPolicyLossConfig and "
+            "+actor_rollout_ref.actor.policy_loss.objective_kwargs={...} to choose them."
+        )
+    return build_objective(loss_mode, _get(policy_loss, "objective_kwargs", None))
+
+
+# --------------------------------------------------------------------------- one-time warnings
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        _log.warning(message)
+
+
+def check_settings(loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]:
+    """Warnings about verl settings a trustclip loss ignores or that change its meaning (empty if none)."""
+    notes = []
+    policy_loss = _get(config, "policy_loss")
+    ignored = [k for k, v in VERL_KNOBS.items() if _get(config, k, v) != v]
+    ignored += [f"policy_loss.{k}" for k, v in VERL_POLICY_LOSS_KNOBS.items() if _get(policy_loss, k, v) != v]
+    if ignored:
+        notes.append(
+            f"{loss_mode} ignores actor.{', actor.'.join(ignored)} (verl's own knobs); trustclip hyper-parameters "
+            "come only from actor_rollout_ref.actor.policy_loss.objective_kwargs"
+        )
+    if objective_for_loss_mode(loss_mode) in SEQUENCE_LEVEL and loss_agg_mode != "seq-mean-token-mean":
+        notes.append(
+            f"{loss_mode} aggregates with actor.loss_agg_mode={loss_agg_mode} as configured; its paper (and verl's "
+            "own sapo, which forces it) uses seq-mean-token-mean"
+        )
+    if loss_agg_mode == "seq-mean-token-sum-norm" and _global_batch_info(config).get("loss_scale_factor") is None:
+        notes.append(
+            f"{loss_mode}: loss_agg_mode=seq-mean-token-sum-norm without actor.loss_scale_factor divides by the "
+            "padded length of each micro-batch, which is not a constant; set "
+            "actor_rollout_ref.actor.loss_scale_factor=<data.max_response_length> for Dr.GRPO's constant L_max"
+        )
+    return notes
+
+
+# --------------------------------------------------------------------------- the loss
+def verl_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
+    """verl's three policy metrics with verl's meaning, then trustclip's as `actor/objective/<key>`.
+
+    `actor/pg_clipfrac`: tokens whose gradient the ratio clip removed (either side); `actor/ppo_kl`: mean
+    of -log w (k1 of KL(pi_old || pi)); `actor/pg_clipfrac_lower`: tokens hit by the dual clip (A < 0,
+    w > c), 0 for objectives without one, as in verl's losses.
+    """
+    metrics = policy_metrics(out, batch)
+    mask = batch.mask
+    ppo_kl = float((-batch.log_ratio.detach() * mask).sum() / mask.sum())
+    verl = {
+        "actor/pg_clipfrac": metrics["clip_frac"],
+        "actor/ppo_kl": ppo_kl,
+        "actor/pg_clipfrac_lower": metrics.get("dual_clip_frac", 0.0),
+    }
+    return verl | {"actor/" + objective_name(key): value for key, value in metrics.items()}
+
+
+def _global_batch_info(config: Any) -> dict[str, Any]:
+    return dict(_get(config, "global_batch_info", None) or {})
+
+
+def compute_trustclip_loss(
+    loss_mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl policy loss of the trustclip objective behind `loss_mode` (see the module docstring)."""
+    objective = objective_from_config(loss_mode, config)
+    for note in check_settings(loss_mode, loss_agg_mode, config):
+        _warn_once(note)
+    agg_loss = _core_algos().agg_loss
+    mask = response_mask.bool()
+    if not mask.any():  # e.g. every response of the micro-batch rejected by rollout correction
+        return (log_prob * 0.0).sum(), {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+    out, batch = compute_token_loss(
+        objective, logp=log_prob, old_logp=old_log_prob, advantages=advantages, mask=mask,
+        token_weights=rollout_is_weights,
+    )
+    loss = agg_loss(loss_mat=out.loss, loss_mask=mask, loss_agg_mode=loss_agg_mode, **_global_batch_info(config))
+    return loss, verl_metrics(out, batch)
+
+
+def make_policy_loss(loss_mode: str) -> PolicyLossFn:
+    """A function with verl's policy-loss signature computing `loss_mode` (a `trustclip_*` name)."""
+    objective = objective_for_loss_mode(loss_mode)
+
+    def policy_loss(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        return compute_trustclip_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask,
+                                      loss_agg_mode, config, rollout_is_weights)
+
+    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"
+    summary = REGISTRY[objective].summary
+    policy_loss.__doc__ = f"verl policy loss `{loss_mode}`: trustclip objective `{objective}` ({summary})."
+    policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
+    return policy_loss
+
+
+# --------------------------------------------------------------------------- registration
+def register_verl_losses() -> list[str]:
+    """Register every trustclip objective (and alias) in verl's registry; returns the names registered.
+
+    Idempotent, and callable again after `trustclip.register_objective` to add new objectives. Raises
+    VerlPluginError rather than overwrite a loss of the same name that is not trustclip's.
+    """
+    core_algos = _core_algos()
+    registry = core_algos.POLICY_LOSS_REGISTRY
+    names = verl_loss_names()
+    for loss_mode in names:
+        existing = registry.get(loss_mode)
+        if existing is not None and not hasattr(existing, "trustclip_objective"):
+            raise VerlPluginError(
+                f"verl already has a policy loss named {loss_mode!r} ({existing.__module__}."
+                f"{existing.__qualname__}); trustclip will not overwrite it"
+            )
+        core_algos.register_policy_loss(loss_mode)(make_policy_loss(loss_mode))
+    return list(names)
+
+
+def _check_verl_version() -> None:
+    import verl
+
+    version = getattr(verl, "__version__", "unknown")
+    if version != TESTED_VERL_VERSION:
+        _warn_once(f"trustclip's verl plugin was tested with verl {TESTED_VERL_VERSION}; this is verl {version}")
+
+
+def _register_loudly() -> None:
+    """Register at import; log any failure at ERROR first, since verl hides plugin errors at DEBUG."""
+    if not verl_installed():
+        raise ImportError(NO_VERL)
+    try:
+        _check_verl_version()
+        register_verl_losses()
+    except Exception as err:
+        _log.error(_FAILED, "registering the losses", type(err).__name__, err, exc_info=True)
+        raise
+
+
+def _yaml(value: Any) -> str:
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
+def mapping_table() -> str:
+    """Markdown table: verl loss mode, trustclip objective, its default `objective_kwargs`, what it is."""
+    rows = ["| verl `loss_mode` | trustclip objective | default `objective_kwargs` | constraint / notes |",
+            "|---|---|---|---|"]
+    for loss_mode, name in verl_loss_names().items():
+        spec = REGISTRY[name]
+        defaults = {k: p.default for k, p in spec.params.items() if k != "constraint"}
+        shown = ", ".join(f"{k}={_yaml(v)}" for k, v in defaults.items())
+        notes = spec.summary.replace("|", "\\|")
+        if name == "general":
+            shown = "constraint (required: a trustclip `Constraint`)"
+        elif spec.requires(defaults):
+            notes += f"; needs {', '.join(spec.requires(defaults))}, which verl does not pass: not usable in verl"
+        rows.append(f"| `{loss_mode}` | `{name}` | {shown} | {notes} |")
+    return "\n".join(rows)
+
+
+_register_loudly()
+
+
+def main() -> int:
+    """Print the mapping, and whether `import verl` loaded this plugin through its entry point."""
+    import sys
+
+    from verl.trainer.ppo import core_algos
+
+    print(mapping_table())
+    names = verl_loss_names()
+    registered = sum(name in core_algos.POLICY_LOSS_REGISTRY for name in names)
+    discovered = "trustclip.integrations.verl_plugin" in sys.modules  # imported by `import verl`, not as __main__
+    verdict = "loaded the plugin" if discovered else (
+        "did NOT load the plugin: check VERL_USE_EXTERNAL_PLUGINS, VERL_USE_EXTERNAL_MODULES and the install")
+    print(f"\n{registered} of {len(names)} trustclip losses registered; `import verl` {verdict}")
+    return 0 if registered == len(names) and discovered else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
