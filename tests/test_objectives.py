@@ -226,3 +226,22 @@ def test_policy_metrics_count_clipped_tokens():
     assert metrics["clip_frac_low"] == pytest.approx(1 / 8)  # w = 0.5 with A < 0
     assert metrics["ratio_max"] == pytest.approx(1.6) and metrics["ratio_min"] == pytest.approx(0.5)
     assert metrics["kl3_mean"] == pytest.approx(float((w - 1 - w.log()).mean()))
+
+
+@pytest.mark.parametrize("delta", [1e-3, 0.02, 0.07, 0.3, 1.0, 5.0])
+def test_trgppo_newton_solver_converges_over_the_whole_probability_range(delta):
+    from reference_objectives import binary_kl
+
+    from trustclip.objectives.bounds import trgppo_bounds
+
+    q = np.concatenate([np.geomspace(1e-10, 0.5, 400), 1 - np.geomspace(1e-10, 0.5, 400)])
+    low, high = trgppo_bounds(q, delta, None)
+    converged = trgppo_bounds(q, delta, None, iterations=60)
+    np.testing.assert_allclose(low, converged[0], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(high, converged[1], rtol=1e-12)
+    assert (low < 1).all() and (high > 1).all() and (high <= 1 / q * (1 + 1e-12)).all()
+    # Plug the roots back where the KL itself can be evaluated accurately (1 - r q is far from 0).
+    ok = (q <= 0.5) & (low > 1e-200) & (high * q < 0.99)
+    np.testing.assert_allclose(binary_kl(q[ok], low[ok]), delta, rtol=1e-9)
+    np.testing.assert_allclose(binary_kl(q[ok], high[ok]), delta, rtol=1e-9)
+    assert ok.sum() > 50 or delta > 1  # for large delta every upper root has r q near 1

@@ -149,47 +149,64 @@ def binary_kl(q, r):
         return -q * np.log(r) + (1 - q) * (np.log1p(-q) - np.log1p(-r * q))
 
 
-def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 100):
+def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 10):
     """TRGPPO (Wang et al. 2019, arXiv 1901.10314) KL-guided ratio region for discrete actions.
 
     [l, u] = [min over, max over] pi(a)/pi_old(a) subject to KL(pi_old || pi) <= delta; for discrete
     actions the optimum rescales the other actions proportionally, so only q is needed and the
-    bounds solve binary_kl(q, r) = delta on each side of 1 (vectorised bisection in float64).
+    bounds solve binary_kl(q, r) = delta on each side of 1.
     With `epsilon`, the region is widened to at least [1 - eps, 1 + eps] as in the paper:
     [min(l, 1 - eps), max(u, 1 + eps)]. `epsilon=None` gives the raw KL bounds (official code).
     Works on floats, numpy arrays and torch tensors (returned in q's dtype).
+
+    Solver (float64, vectorised). Lower root in s = log(1/r):
+        g(s) = q s + (1-q) [log(1-q) - log(1 - q e^-s)] - delta,   s in [delta/q, (delta - (1-q) log(1-q))/q]
+    upper root in t = log((1-q)/(1-rq)), r = (1 - (1-q) e^-t)/q:
+        h(t) = -q log r + (1-q) t - delta,                         t in [delta/(1-q), (delta - q log q)/(1-q)]
+    (the brackets follow from the sign of the other term). g and h are increasing and convex there, so
+    Newton's method from the right end of the bracket decreases monotonically to the root, quadratically.
     """
     delta = check_delta(delta)
-    is_torch = hasattr(q, "clamp")
-    if is_torch:
-        import torch
-
-        qd = q.detach().to(torch.float64).clamp(1e-12, 1 - 1e-12)
-        lib_lo, lib_hi = torch.zeros_like(qd), torch.ones_like(qd)
-        up_lo, up_hi = torch.ones_like(qd), 1.0 / qd
-        where = torch.where
-    else:
-        qd = np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
-        lib_lo, lib_hi = np.zeros_like(qd), np.ones_like(qd)
-        up_lo, up_hi = np.ones_like(qd), 1.0 / qd
-        where = np.where
-    # Lower root in (0, 1): KL decreases in r there. Bisect in log space for tiny roots.
-    lo_log, hi_log = _log(lib_lo + 1e-300), _log(lib_hi)
+    xp = _Ops(q)
+    qd = xp.clip_probability(q)
+    log_1mq, log_q = xp.log1p(-qd), xp.log(qd)
+    s = (delta - (1 - qd) * log_1mq) / qd
+    t = (delta - qd * log_q) / (1 - qd)
     for _ in range(iterations):
-        mid = 0.5 * (lo_log + hi_log)
-        r = mid.exp() if is_torch else np.exp(mid)
-        above = binary_kl(qd, r) > delta
-        lo_log, hi_log = where(above, mid, lo_log), where(above, hi_log, mid)
-    low = (hi_log.exp() if is_torch else np.exp(hi_log))
-    # Upper root in (1, 1/q): KL increases in r there.
-    for _ in range(iterations):
-        mid = 0.5 * (up_lo + up_hi)
-        above = binary_kl(qd, mid) > delta
-        up_lo, up_hi = where(above, up_lo, mid), where(above, mid, up_hi)
-    high = up_lo
+        x = xp.exp(-s)
+        g = qd * s + (1 - qd) * (log_1mq - xp.log1p(-qd * x)) - delta
+        s = s - g * (1 - qd * x) / (qd * (1 - x))
+        e = xp.exp(-t)
+        log_r = xp.log(-xp.expm1(-t) + qd * e) - log_q
+        h = -qd * log_r + (1 - qd) * t - delta
+        t = t - h / ((1 - qd) * (1 - e / xp.exp(log_r)))
+    low, high = xp.exp(-s), (-xp.expm1(-t) + qd * xp.exp(-t)) / qd
     if epsilon is not None:
-        low = where(low < 1 - epsilon, low, low * 0 + (1 - epsilon))
-        high = where(high > 1 + epsilon, high, high * 0 + (1 + epsilon))
-    if is_torch:
-        return low.to(q.dtype), high.to(q.dtype)
-    return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)
+        low, high = low.clip(max=1 - epsilon), high.clip(min=1 + epsilon)
+    return xp.result(q, low, high)
+
+
+class _Ops:
+    """The few elementwise float64 operations the solver needs, for torch tensors or numpy/floats."""
+
+    def __init__(self, q):
+        self.torch = hasattr(q, "clamp")
+        if self.torch:
+            import torch
+
+            self.lib = torch
+        else:
+            self.lib = np
+
+    def clip_probability(self, q):
+        if self.torch:
+            return q.detach().to(self.lib.float64).clamp(1e-12, 1 - 1e-12)
+        return np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
+
+    def __getattr__(self, name):  # exp, log, log1p, expm1
+        return getattr(self.lib, name)
+
+    def result(self, q, low, high):
+        if self.torch:
+            return low.to(q.dtype), high.to(q.dtype)
+        return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)
