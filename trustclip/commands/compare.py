@@ -1,0 +1,80 @@
+"""`trustclip compare`: train every (objective, seed[, sweep value]) with everything else held fixed, then
+write a report (Table-2 / Table-3 style tables, figures, CSV / JSON of every number).
+
+Examples::
+
+    trustclip compare --objectives clip,dcpo,atr --seeds 3 --output-dir outputs/compare
+    trustclip compare --objectives clip,atr --seeds 3 --sweep delta=0.03,0.05,0.07,0.1,0.2 \\
+        --config recipes/qwen3_1.7b_atr.yaml --set rl.max_steps=500 --output-dir outputs/sweep
+    trustclip compare --output-dir outputs/compare --report-only   # rebuild the report from finished runs
+
+Rerunning the same command resumes: finished runs are kept, unfinished ones are continued (the
+trainer's resume) or, with --restart-partial, restarted. Ctrl-C stops the running runs cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = __doc__.split("Examples::", 1)[1]
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--objectives", default=None,
+                      help="comma-separated objectives (names or aliases, see `trustclip objectives`); "
+                           "default: the ones of the previous compare in --output-dir")
+    what.add_argument("--seeds", type=int, default=None, help="number of training seeds, 0..N-1 (default 3)")
+    what.add_argument("--seed-list", default=None, metavar="S1,S2,...", help="explicit seeds instead of --seeds")
+    what.add_argument("--config", default=None, metavar="RECIPE.yaml", help="training recipe shared by all runs "
+                      "(default: the embedded CPU setting of `trustclip train`)")
+    what.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a recipe option for every run, e.g. rl.max_steps=100 (repeatable)")
+    what.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                      help="sweep an objective hyper-parameter (applied to the objectives that have it; "
+                           "the others run once as references) or a dotted training option (all runs)")
+    what.add_argument("--no-share-sft", action="store_true",
+                      help="let every run do its own SFT (default: one SFT run per seed, shared by all objectives)")
+    what.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
+                      help="held-out evaluation every STEPS RL steps, for the accuracy-vs-step figure and 'best' "
+                           "(default: the recipe's rl.eval_every, or max_steps // 5 if that is 0; 0 = off)")
+    what.add_argument("--hparam", action="append", default=[], metavar="OBJECTIVE.KEY=VALUE",
+                      help="hyper-parameter of one objective, e.g. clip_higher.epsilon_high=0.28 (repeatable)")
+    where = parser.add_argument_group("execution")
+    where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
+    where.add_argument("--jobs", type=int, default=None, help="parallel runs (default min(2, cores))")
+    where.add_argument("--threads-per-job", type=int, default=None, help="torch threads per run "
+                       "(default cores // jobs)")
+    where.add_argument("--restart-partial", action="store_true",
+                       help="restart unfinished runs from scratch (default: continue them with the trainer's "
+                            "resume: finished stages kept, RL from its last checkpoint)")
+    where.add_argument("--redo-changed", action="store_true",
+                       help="delete and redo runs whose directory was made with different settings")
+    where.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+                       help="stop (and count as failed) a run that takes longer than this")
+    where.add_argument("--dry-run", action="store_true", help="print the plan (runs, status) and exit")
+    where.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs only")
+    where.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                       help="status line interval (default 30 s)")
+    where.add_argument("--pipeline", default=None, metavar="MODULE:FUNCTION",
+                       help="training callable instead of trustclip.train.pipeline:run_pipeline (same contract)")
+    rep = parser.add_argument_group("report")
+    rep.add_argument("--smooth", type=int, default=None, metavar="STEPS",
+                     help="moving-average window of the training curves (default: a tenth of the run)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from trustclip.compare import CompareSettings, run_compare
+
+    try:
+        settings = CompareSettings.from_args(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"trustclip compare: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return run_compare(settings)
+    except (ValueError, RuntimeError, FileNotFoundError) as err:
+        print(f"trustclip compare: error: {err}", file=sys.stderr)
+        return 2

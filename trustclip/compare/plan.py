@@ -1,0 +1,339 @@
+"""Planning a comparison: which (objective, sweep value, seed) runs, each with its full training config.
+
+Everything except the objective, its hyper-parameters, the swept value and the training seed is held
+fixed: every run starts from the same recipe (`--config`) plus the same `--set` overrides.
+
+Objective hyper-parameters of a run are, in order of precedence:
+1. the swept value (`--sweep delta=0.03,0.05`),
+2. `--hparam OBJECTIVE.key=value` given for that objective,
+3. the recipe's `rl.objective_kwargs`, but only when the recipe's `rl.objective` is that same objective
+   (a recipe written for kl3 carries `delta`, which `clip` does not have),
+4. the objective's registered defaults.
+Every combination is validated with `get_objective` before any run starts.
+
+A sweep key without a dot names an objective hyper-parameter; it is applied to the objectives that have
+it and the others run once, at their own setting, as the sweep's reference lines. It is an error when no
+listed objective has it. A dotted key (`rl.learning_rate`) is a training option and applies to every run.
+
+Shared SFT (default, when the recipe has an `sft` stage): SFT does not depend on the objective, so it runs
+once per seed (`runs/_sft/seed<k>`) and every objective's RL of that seed starts from that same model. This
+is the paper's protocol (one SFT model, only the clipping varies), makes the "RL start" row exact, and saves
+(objectives - 1) SFT runs per seed. RL runs then use the stages `rl, eval` and depend on their SFT run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Training options that do not change the numbers of a run (left out of its fingerprint).
+NON_SCIENTIFIC = ("output_dir", "resume", "quiet", "plots", "report_to")
+RUNS_DIR = "runs"
+SPEC_FILE = "run_spec.json"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One swept setting: an objective hyper-parameter (`delta`) or a dotted training option."""
+
+    key: str
+    values: tuple[Any, ...]
+
+    @property
+    def is_training_option(self) -> bool:
+        return "." in self.key
+
+
+@dataclass
+class RunSpec:
+    """One training run of the comparison."""
+
+    label: str  # objective as the user wrote it (e.g. "atr")
+    objective: str  # registered name (e.g. "kl3")
+    seed: int
+    hparams: dict[str, Any]  # resolved objective hyper-parameters (defaults filled in)
+    config: dict[str, Any]  # full TrainConfig as a dict (output_dir is set by the worker)
+    sweep_key: str | None = None
+    sweep_value: Any = None
+    root: Path = field(default=Path("."), repr=False)
+    kind: str = "rl"  # "rl": a compared run; "sft": a shared SFT run other runs start from
+    depends_on: RunSpec | None = field(default=None, repr=False)
+
+    @property
+    def group(self) -> str:
+        """Name of the (objective, sweep value) group that seeds are aggregated over."""
+        if self.kind == "sft":
+            return self.label
+        if self.sweep_key is None:
+            return self.label
+        return f"{self.label}_{self.sweep_key}={format_value(self.sweep_value)}"
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.group}/seed{self.seed}"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / RUNS_DIR / safe_name(self.group) / f"seed{self.seed}"
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the run's numbers (its SFT run's fingerprint included)."""
+        science = {k: v for k, v in self.config.items() if k not in NON_SCIENTIFIC}
+        if self.depends_on is not None:
+            science["depends_on"] = self.depends_on.fingerprint()
+        return hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def start_model(self) -> Path | None:
+        """The SFT model this run starts RL from (None: the run does its own SFT)."""
+        if self.depends_on is None:
+            return None
+        return self.depends_on.run_dir / "sft" / "final"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "group": self.group,
+            "label": self.label,
+            "objective": self.objective,
+            "seed": self.seed,
+            "hparams": self.hparams,
+            "sweep_key": self.sweep_key,
+            "sweep_value": self.sweep_value,
+            "fingerprint": self.fingerprint(),
+            "kind": self.kind,
+            "depends_on": self.depends_on.run_id if self.depends_on else None,
+            # relative to this run's directory, so that the compare directory can be moved
+            "start_model": os.path.relpath(self.start_model(), self.run_dir) if self.depends_on else None,
+            "config": self.config,
+        }
+
+
+def format_value(value: Any) -> str:
+    """Short, stable text of a swept value: 0.07 -> '0.07', 1e-05 -> '1e-05'."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def safe_name(text: str) -> str:
+    """A directory name: keeps letters, digits and ._=+- ; everything else becomes '-'."""
+    return re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def parse_objectives(text: str | Sequence[str]) -> list[str]:
+    """'clip, atr' -> ['clip', 'atr']; rejects unknown names and duplicates (aliases included)."""
+    from trustclip.objectives import get_objective
+
+    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
+    if not names:
+        raise ValueError("no objectives given; e.g. --objectives clip,atr")
+    seen: dict[str, str] = {}
+    for name in names:
+        canonical = get_objective(name).name  # raises with the list of valid names
+        if canonical in seen:
+            raise ValueError(f"objectives {seen[canonical]!r} and {name!r} are the same objective ({canonical})")
+        seen[canonical] = name
+    return names
+
+
+def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[int]:
+    """`count` seeds 0..count-1, or an explicit comma-separated list."""
+    if seed_list:
+        try:
+            seeds = [int(s) for s in seed_list.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seed-list {seed_list!r}: expected integers like 0,1,2") from None
+        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+            raise ValueError(f"--seed-list {seed_list!r}: need distinct non-negative integers")
+        return seeds
+    if count is None or isinstance(count, bool) or count < 1:
+        raise ValueError(f"--seeds must be an integer >= 1, got {count!r}")
+    return list(range(count))
+
+
+def _yaml_value(raw: str) -> Any:
+    """A number when it reads as one (YAML alone takes '1e-4' for a string), else the YAML value."""
+    import yaml
+
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ValueError(f"value {raw!r} is not valid YAML ({err})") from None
+
+
+def parse_sweep(text: str | None) -> Sweep | None:
+    """'delta=0.03,0.05' -> Sweep('delta', (0.03, 0.05))."""
+    if not text:
+        return None
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    values = tuple(_yaml_value(v.strip()) for v in raw.split(",") if v.strip())
+    if not sep or not key or not values:
+        raise ValueError(f"--sweep {text!r}: expected KEY=V1,V2,..., e.g. delta=0.03,0.05,0.07")
+    if any(v is None or isinstance(v, dict | list) for v in values):
+        raise ValueError(f"--sweep {text!r}: values must be numbers, strings or booleans")
+    if len(set(map(repr, values))) != len(values):
+        raise ValueError(f"--sweep {text!r}: repeated values")
+    return Sweep(key, values)
+
+
+def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """['clip.epsilon=0.3'] -> {'clip': {'epsilon': 0.3}}; the objective must be one of `labels`."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, raw = item.partition("=")
+        label, dot, key = target.strip().partition(".")
+        if not sep or not dot or not label or not key:
+            raise ValueError(f"--hparam {item!r}: expected OBJECTIVE.KEY=VALUE, e.g. clip.epsilon=0.3")
+        if label not in labels:
+            raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(labels)}")
+        out.setdefault(label, {})[key] = _yaml_value(raw.strip())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- planning
+def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
+    """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict."""
+    from trustclip.train.config import load_config, parse_override
+
+    for text in overrides:
+        key = parse_override(text)[0]
+        if key in ("seed", "output_dir", "resume", "rl.objective", "rl.objective_kwargs"):
+            raise ValueError(f"--set {text!r}: {key} is set by compare itself (use --objectives/--seeds/--hparam)")
+    return load_config(recipe, list(overrides)).to_dict()
+
+
+def _objective_kwargs(label: str, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from trustclip.objectives import get_objective
+
+    kwargs: dict[str, Any] = {}
+    recipe_objective = base["rl"].get("objective")
+    if recipe_objective and get_objective(recipe_objective).name == get_objective(label).name:
+        kwargs.update(base["rl"].get("objective_kwargs") or {})
+    kwargs.update(extra.get(label, {}))
+    return kwargs
+
+
+def _sweep_applies(sweep: Sweep | None, label: str) -> bool:
+    from trustclip.objectives.registry import resolve_name
+
+    if sweep is None:
+        return False
+    return sweep.is_training_option or sweep.key in resolve_name(label).params
+
+
+def _check_sweep(sweep: Sweep | None, labels: Sequence[str]) -> None:
+    if sweep is None or sweep.is_training_option:
+        return
+    if not any(_sweep_applies(sweep, label) for label in labels):
+        from trustclip.objectives.registry import resolve_name
+
+        have = "; ".join(f"{lb}: {', '.join(resolve_name(lb).params) or 'none'}" for lb in labels)
+        raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
+                         f"({have}); use a dotted key such as rl.learning_rate for a training option")
+
+
+def _make_run(label: str, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
+              value: Any, root: Path) -> RunSpec:
+    import copy
+
+    from trustclip.objectives import get_objective
+    from trustclip.train.config import TrainConfig, from_dict, set_dotted
+
+    data = copy.deepcopy(base)
+    kwargs = dict(kwargs)
+    if sweep is not None and sweep.is_training_option:
+        set_dotted(data, sweep.key, value)
+    elif sweep is not None:
+        kwargs[sweep.key] = value
+    try:
+        objective = get_objective(label, **kwargs)
+    except ValueError as err:
+        raise ValueError(f"objective {label!r}: {err}") from None
+    data["seed"] = seed
+    data["rl"]["objective"] = objective.name
+    data["rl"]["objective_kwargs"] = kwargs
+    try:
+        config = from_dict(TrainConfig, data).to_dict()
+    except ValueError as err:
+        raise ValueError(f"run {label} seed {seed}: {err}") from None
+    return RunSpec(label, objective.name, seed, dict(objective.hparams), config,
+                   sweep.key if sweep is not None else None, value, root)
+
+
+def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *,
+              recipe: str | Path | None = None, overrides: Sequence[str] = (), sweep: Sweep | None = None,
+              hparams: dict[str, dict[str, Any]] | None = None, base: dict[str, Any] | None = None,
+              share_sft: bool = True) -> list[RunSpec]:
+    """Every run of the comparison, seed-major (all objectives of seed 0 first, so a stopped compare
+    already has complete seeds), each validated; with `share_sft`, each seed's SFT run comes first. `base`
+    (a TrainConfig dict) replaces recipe + overrides. Raises ValueError on any bad input."""
+    labels = parse_objectives(objectives)
+    if not seeds:
+        raise ValueError("no seeds given")
+    _check_sweep(sweep, labels)
+    base = base if base is not None else base_config(recipe, overrides)
+    root = Path(root)
+    runs: list[RunSpec] = []
+    for seed in seeds:
+        for label in labels:
+            kwargs = _objective_kwargs(label, base, hparams or {})
+            if sweep is not None and _sweep_applies(sweep, label):
+                runs.extend(_make_run(label, seed, base, kwargs, sweep, v, root) for v in sweep.values)
+            else:
+                runs.append(_make_run(label, seed, base, kwargs, None, None, root))
+    if share_sft and "sft" in base["stages"]:
+        runs = _share_sft(runs, root)
+    return runs
+
+
+def _sft_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The SFT-only config of a run: its RL and evaluation sections (unused by SFT) reset to defaults, so
+    that runs differing only there share one SFT run."""
+    import copy
+    import dataclasses
+
+    from trustclip.train.config import EvalArgs, RLArgs
+
+    data = copy.deepcopy(config)
+    data["stages"] = ["sft"]
+    data["rl"], data["eval"] = dataclasses.asdict(RLArgs()), dataclasses.asdict(EvalArgs())
+    return data
+
+
+def _share_sft(runs: list[RunSpec], root: Path) -> list[RunSpec]:
+    """Insert one SFT run per distinct SFT config (one per seed unless a swept option changes SFT) and make
+    the RL runs start from it."""
+    sft: dict[str, RunSpec] = {}
+    by_seed: dict[int, list[str]] = {}
+    for spec in runs:
+        probe = RunSpec("_sft", "sft", spec.seed, {}, _sft_config(spec.config), root=root, kind="sft")
+        if probe.fingerprint() not in sft:
+            sft[probe.fingerprint()] = probe
+            by_seed.setdefault(spec.seed, []).append(probe.fingerprint())
+        spec.depends_on = sft[probe.fingerprint()]
+        spec.config["stages"] = [s for s in spec.config["stages"] if s != "sft"]
+    for fingerprints in by_seed.values():
+        if len(fingerprints) > 1:  # e.g. a sweep over sft.* options: one SFT run per value
+            for fp in fingerprints:
+                sft[fp].label = f"_sft_{fp[:8]}"
+    out: list[RunSpec] = []
+    placed: set[int] = set()
+    for spec in runs:
+        if id(spec.depends_on) not in placed:
+            placed.add(id(spec.depends_on))
+            out.append(spec.depends_on)
+        out.append(spec)
+    return out

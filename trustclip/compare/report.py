@@ -1,0 +1,439 @@
+"""The comparison report: `report.md` (tables, generated findings, figures), `results.json`,
+`results.csv` (every number of the report, long format) and `curves.csv` (the data of every figure).
+
+Table cells are percentages of the fractions stored in the runs' `eval/*.json` (rounded to one decimal);
+the CSV and JSON hold the unrounded fractions.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trustclip.compare.aggregate import (
+    AVERAGE,
+    SERIES,
+    GroupResult,
+    RunRecord,
+    at_k_band,
+    default_window,
+    eval_band,
+    series_band,
+    splits_of,
+)
+from trustclip.compare.io import write_json_atomic, write_text_atomic
+from trustclip.compare.plan import RunSpec, format_value
+from trustclip.compare.stats import Stat, change_sentence, fmt_pct, fmt_pm, rank_sentence, stat
+
+FIGURES = "figures"
+
+
+def _title(split: str) -> str:
+    return "Average" if split == AVERAGE else split
+
+
+def _metric_title(metric: str) -> str:
+    name, _, k = metric.partition("@")
+    return f"{name.capitalize()}@{k}"
+
+
+def _hp(hparams: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={format_value(v)}" for k, v in hparams.items() if v is not None) or "-"
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def table2(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequence[str]) -> str:
+    """Paper Table 2 layout: per split and on average, "final (best)" means over seeds, in %."""
+    head = ["Objective"] + [f"{_title(s)} {_metric_title(m)}" for s in splits for m in metrics]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for g in groups:
+        cells = [f"{fmt_pct(g.final[s][m].mean)} ({fmt_pct(g.best[s][m].mean)})" for s in splits for m in metrics]
+        lines.append(f"| {g.group} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table3(groups: Sequence[GroupResult], splits: Sequence[str], metric: str,
+           start: dict[str, Stat] | None = None) -> str:
+    """Paper Table 3 layout: final `metric` as mean ± std over seeds, per split and on average, in %."""
+    head = ["Objective", "seeds"] + [_title(s) for s in splits]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:" + "|---:" * len(splits) + "|"]
+    for g in groups:
+        lines.append(f"| {g.group} | {g.n} | " + " | ".join(fmt_pm(g.final[s][metric]) for s in splits) + " |")
+    if start:
+        n = max((st.n for st in start.values()), default=0)
+        lines.append(f"| *RL start (SFT model)* | {n} | " + " | ".join(fmt_pm(start[s]) for s in splits) + " |")
+    return "\n".join(lines)
+
+
+DYNAMICS = ("reward (last 10%)", "entropy (last 10%)", "completions/mean_length (last 10%)",
+            "objective/clip_frac_low (mean)", "objective/clip_frac_high (mean)")
+
+
+def dynamics_table(groups: Sequence[GroupResult]) -> str:
+    """End-of-training reward / entropy / length and the mean clip fractions over RL, per group."""
+    keys = [k for k in DYNAMICS if any(k in g.dynamics for g in groups)]
+    if not keys:
+        return "_No RL metrics were logged._"
+    labels = [SERIES[k.rsplit(" (", 1)[0]] + (" (mean over RL)" if k.endswith("(mean)") else " (last 10%)")
+              for k in keys]
+    lines = ["| Objective | " + " | ".join(labels) + " | seconds per run |", "|---" + "|---:" * (len(keys) + 1) + "|"]
+    for g in groups:
+        cells = [_fmt_plain(g.dynamics.get(k, stat([])), k) for k in keys]
+        lines.append(f"| {g.group} | " + " | ".join(cells) + f" | {fmt_pm(g.seconds, 1.0, 0)} |")
+    return "\n".join(lines)
+
+
+def _fmt_plain(s: Stat, key: str) -> str:
+    digits = 1 if "length" in key else (4 if "clip_frac" in key else 3)
+    return fmt_pm(s, 1.0, digits)
+
+
+def runs_table(records: Sequence[RunRecord], splits: Sequence[str]) -> str:
+    metrics = records[0].metrics
+    avg = AVERAGE if AVERAGE in splits else splits[-1]
+    head = ["Run", "objective", "hyper-parameters"] + [f"{_title(avg)} {_metric_title(m)} final (best)"
+                                                       for m in metrics] + ["evaluated checkpoints", "seconds"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---" + "|---:" * (len(head) - 3) + "|"]
+    for r in records:
+        cells = [f"{fmt_pct(r.final[avg][m])} ({fmt_pct(r.best[avg][m])})" for m in metrics]
+        lines.append(f"| {r.spec.run_id} | {r.spec.objective} | {_hp(r.spec.hparams)} | " + " | ".join(cells)
+                     + f" | {len(r.history)} | {r.seconds.get('total', math.nan):.0f} |")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------- findings
+def start_stats(groups: Sequence[GroupResult], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
+    """RL-start (SFT) metric per split over distinct seeds, and the largest disagreement between runs of
+    the same seed (0 when SFT is deterministic per seed: every objective starts from the same model)."""
+    per_seed: dict[int, list[dict[str, dict[str, float]]]] = {}
+    for g in groups:
+        for r in g.runs:
+            if r.before:
+                per_seed.setdefault(r.spec.seed, []).append(r.before)
+    spread = max((abs(a[s][metric] - b[s][metric]) for bs in per_seed.values() for a in bs for b in bs
+                  for s in splits if s in a and s in b), default=0.0)
+    return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
+
+
+def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
+             n_finished: int, eval_every: int | None) -> list[str]:
+    """Sentences generated from the numbers (see `trustclip.compare.stats` for the rules)."""
+    avg = AVERAGE if AVERAGE in splits else splits[-1]
+    seeds = sorted({g.n for g in groups})
+    out = [f"{n_finished} of {n_planned} planned runs finished; seeds per objective: "
+           + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
+    for metric in metrics:
+        name = f"{_title(avg)} {_metric_title(metric)} of the final policy"
+        out.append(rank_sentence(name, {g.group: g.final[avg][metric] for g in groups}))
+    for g in groups:
+        out.append(change_sentence(g.group, g.gain[avg][metrics[0]], f"{_title(avg)} {_metric_title(metrics[0])}"))
+    entropy = {g.group: g.dynamics["entropy (last 10%)"] for g in groups if "entropy (last 10%)" in g.dynamics}
+    if entropy:
+        out.append(rank_sentence("Policy entropy over the last 10% of RL steps", entropy, scale=1.0, unit=" nats",
+                                 digits=3))
+    out.extend(_paired_findings(groups, avg, metrics[0]))
+    out.extend(_sweep_findings(groups, avg, metrics[0]))
+    if max(seeds, default=0) < 2:
+        out.append("With one seed per objective nothing here has a spread; treat every difference as anecdotal.")
+    checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
+    if checkpoints == [1]:
+        out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final "
+                   "and the accuracy-vs-step figure has two points; `--set rl.eval_every=N` adds checkpoints.")
+    else:
+        out.append(f"'best' is the maximum over {'/'.join(map(str, checkpoints))} evaluated RL checkpoints "
+                   f"(every {eval_every} steps and the last), chosen on the same held-out problems it is "
+                   "reported on, so it is optimistic; 'final' is the unbiased number.")
+    return out
+
+
+def paired_differences(groups: Sequence[GroupResult], split: str, metric: str) -> dict[str, Stat]:
+    """Per-seed difference of each group's final `metric` from the first group's, over their common seeds
+    (with a shared SFT model per seed, the seed pairs two runs that start RL from the same model)."""
+    if len(groups) < 2:
+        return {}
+    ref = {r.spec.seed: r.final[split][metric] for r in groups[0].runs if split in r.final}
+    out = {}
+    for g in groups[1:]:
+        mine = {r.spec.seed: r.final[split][metric] for r in g.runs if split in r.final}
+        out[f"{g.group} - {groups[0].group}"] = stat([mine[s] - ref[s] for s in sorted(set(mine) & set(ref))])
+    return out
+
+
+def _paired_findings(groups: Sequence[GroupResult], avg: str, metric: str) -> list[str]:
+    out = []
+    for name, diff in paired_differences(groups, avg, metric).items():
+        if diff.n < 2:
+            continue
+        text = f"Paired by seed, {name}: {fmt_pm(diff)} points in {_title(avg)} {_metric_title(metric)} (n={diff.n})"
+        if diff.low > 0 or diff.high < 0:
+            out.append(text + ", a difference larger than its seed std.")
+        else:
+            out.append(text + ", not distinguishable from zero at this seed spread.")
+    return out
+
+
+def _sweep_findings(groups: Sequence[GroupResult], avg: str, metric: str) -> list[str]:
+    swept: dict[str, list[GroupResult]] = {}
+    for g in groups:
+        if g.sweep_key is not None:
+            swept.setdefault(g.label, []).append(g)
+    out = []
+    for label, members in swept.items():
+        if len(members) < 2:
+            continue
+        key = members[0].sweep_key
+        stats = {f"{key}={format_value(g.sweep_value)}": g.final[avg][metric] for g in members}
+        out.append(rank_sentence(f"Sweep of {label} over {key}, {_title(avg)} {_metric_title(metric)}", stats))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- figures
+def make_figures(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequence[str], out: Path,
+                 window: int | None) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Every figure of the report; returns the paths and the plotted data rows (for curves.csv)."""
+    from trustclip import figures
+
+    window = window or default_window(groups)
+    rows: list[dict[str, Any]] = []
+    paths: list[Path] = []
+
+    def panel(name: str, title: str, xlabel: str, ylabel: str, bands: dict, logx: bool = False) -> dict:
+        for group, band in bands.items():
+            for x, m, s in zip(band.x, band.mean, band.std, strict=True):
+                rows.append({"figure": name, "panel": title, "group": group, "x": float(x), "mean": float(m),
+                             "std": float(s), "n_seeds": band.n})
+        return {"title": title, "xlabel": xlabel, "ylabel": ylabel, "logx": logx,
+                "lines": {g: b.lines() for g, b in bands.items()}}
+
+    def bands(fn: Any, *args: Any) -> dict:
+        return {g.group: b for g in groups if (b := fn(g, *args)) is not None and b.x.size}
+
+    training = [panel("training_curves", label, "RL step", label, bands(series_band, key, window))
+                for key, label in SERIES.items() if key != "objective/clip_frac"]
+    training = [p for p in training if p["lines"]]
+    if training:
+        title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
+        paths.append(figures.plot_seed_bands(out / "training_curves.png", training, title=title, ncols=3))
+        for p in training:
+            stem = p["title"].split(" (")[0].replace(" ", "_")
+            paths.append(figures.plot_seed_bands(out / f"training_{stem}.png", [p], title=title, ncols=1))
+    evals = [panel("eval_vs_step", f"{_title(s)} {_metric_title(m)}", "RL step", "accuracy",
+                   bands(eval_band, s, m)) for m in metrics for s in splits]
+    if any(p["lines"] for p in evals):
+        paths.append(figures.plot_seed_bands(out / "eval_vs_step.png", evals, ncols=len(splits),
+                                             title="Held-out accuracy during RL (step 0: RL start), mean ± std"))
+    at_k = [panel("at_k", f"{_title(s)} {kind.capitalize()}@k", "k", "accuracy", bands(at_k_band, s, kind),
+                  logx=True) for kind in ("mean", "pass") for s in splits]
+    if any(p["lines"] for p in at_k):
+        paths.append(figures.plot_seed_bands(out / "at_k.png", at_k, ncols=len(splits),
+                                             title="Mean@k and Pass@k of the final policy vs k, mean ± std"))
+    sweep = _sweep_panels(groups, splits[-1], metrics, rows)
+    if sweep:
+        paths.append(figures.plot_sweep(out / "sweep.png", sweep[0], sweep[1],
+                                        title=f"Final {_title(splits[-1])} accuracy vs {sweep[0]}"))
+    return paths, rows
+
+
+def _sweep_panels(groups: Sequence[GroupResult], avg: str, metrics: Sequence[str],
+                  rows: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]] | None:
+    swept = [g for g in groups if g.sweep_key is not None]
+    if not swept:
+        return None
+    key = swept[0].sweep_key
+    panels = []
+    for metric in metrics:
+        series: dict[str, dict[str, list]] = {}
+        for g in swept:
+            s = series.setdefault(g.label, {"x": [], "mean": [], "std": []})
+            st = g.final[avg][metric]
+            s["x"].append(g.sweep_value)
+            s["mean"].append(st.mean)
+            s["std"].append(st.std)
+            rows.append({"figure": "sweep", "panel": metric, "group": g.group, "x": g.sweep_value, "mean": st.mean,
+                         "std": st.std, "n_seeds": st.n})
+        refs = {g.group: {"mean": g.final[avg][metric].mean, "std": g.final[avg][metric].std}
+                for g in groups if g.sweep_key is None}
+        panels.append({"title": f"{_title(avg)} {_metric_title(metric)} (final)", "ylabel": "accuracy",
+                       "series": series, "references": refs})
+    return key, panels
+
+
+# -------------------------------------------------------------------------------------------- writers
+def _stat_rows(section: str, g: GroupResult, table: dict[str, dict[str, Stat]]) -> list[dict[str, Any]]:
+    rows = []
+    for split, metrics in table.items():
+        for metric, st in metrics.items():
+            for name in ("mean", "std", "n", "min", "max"):
+                rows.append({"section": section, "group": g.group, "seed": "", "split": split, "metric": metric,
+                             "statistic": name, "value": getattr(st, name)})
+    return rows
+
+
+def csv_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
+    """Every number of the report in long format (fractions, not percentages)."""
+    rows: list[dict[str, Any]] = []
+    for g in groups:
+        for section in ("final", "best", "before", "gain"):
+            rows += _stat_rows(section, g, getattr(g, section))
+        rows += _stat_rows("dynamics", g, {"train": g.dynamics})
+        rows += _stat_rows("seconds", g, {"run": {"total": g.seconds}})
+        for r in g.runs:
+            for section in ("final", "best", "before"):
+                for split, metrics in (getattr(r, section) or {}).items():
+                    for metric, value in metrics.items():
+                        rows.append({"section": section, "group": g.group, "seed": r.spec.seed, "split": split,
+                                     "metric": metric, "statistic": "value", "value": value})
+    for split in (groups[0].final if groups else {}):
+        for metric in groups[0].final[split]:
+            for name, diff in paired_differences(groups, split, metric).items():
+                for stat_name in ("mean", "std", "n", "min", "max"):
+                    rows.append({"section": "paired_difference", "group": name, "seed": "", "split": split,
+                                 "metric": metric, "statistic": stat_name, "value": getattr(diff, stat_name)})
+    base = {"objective": "", "sweep_key": "", "sweep_value": ""}
+    info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
+                      "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
+    return [{**base, **info.get(r["group"], {}), **r} for r in rows]
+
+
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()})
+    return write_text_atomic(path, buffer.getvalue())
+
+
+def _group_json(g: GroupResult) -> dict[str, Any]:
+    def table(t: dict[str, dict[str, Stat]]) -> dict:
+        return {s: {m: st.to_dict() for m, st in ms.items()} for s, ms in t.items()}
+
+    return {"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
+            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds, "final": table(g.final),
+            "best": table(g.best), "before": table(g.before), "gain": table(g.gain),
+            "dynamics": {k: v.to_dict() for k, v in g.dynamics.items()}, "seconds": g.seconds.to_dict()}
+
+
+def _run_json(r: RunRecord) -> dict[str, Any]:
+    return {"run_id": r.spec.run_id, "group": r.spec.group, "seed": r.spec.seed, "objective": r.spec.objective,
+            "hparams": r.spec.hparams, "dir": str(r.spec.run_dir), "final": r.final, "best": r.best,
+            "before": r.before, "history": {str(k): v for k, v in r.history.items()}, "curves": r.curves,
+            "seconds": r.seconds, "rl_steps": r.rl_steps}
+
+
+def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord]) -> list[str]:
+    cfg = records[0].spec.config
+    rl, ev, data = cfg["rl"], cfg["eval"], cfg["data"]
+    n = ev.get("n_samples") or ev["k"]
+    return [
+        f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
+        f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
+        f"- Model `{cfg['model']['name_or_path']}`; SFT "
+        f"{cfg['sft']['max_steps'] if 'sft' in cfg['stages'] or records[0].spec.depends_on else 0} "
+        f"steps; RL {rl['max_steps']} steps, G = {rl['num_generations']}, mu = {rl['num_iterations']}, "
+        f"lr = {rl['learning_rate']:g}, aggregation {rl['aggregation']}, advantages {rl['advantage_estimator']}",
+        f"- Train data `{data['train']}`; held-out `{', '.join(data['eval'])}`"
+        + (f" (first {data['eval_limit']} problems each)" if data.get("eval_limit") else ""),
+        f"- Evaluation: K = {ev['k']}, {n} samples per problem, temperature {ev['temperature']:g}, "
+        f"top-p {ev['top_p']:g}, max {ev['max_new_tokens']} new tokens, sampling seed {ev['seed']}",
+        f"- Training seeds: {', '.join(map(str, sorted({r.spec.seed for r in records})))}; only the objective"
+        + (f", its hyper-parameters and `{settings['sweep']}`" if settings.get("sweep")
+           else " and its hyper-parameters")
+        + " differ between runs",
+    ]
+
+
+def sft_summary(sft_runs: Sequence[RunSpec]) -> dict[str, Any]:
+    """Seconds of the shared SFT runs (from their summary.json), for the report."""
+    from trustclip.compare.io import read_json
+
+    seconds = []
+    for spec in sft_runs:
+        summary = read_json(spec.run_dir / "summary.json")
+        if isinstance(summary, dict):
+            seconds.append((summary.get("seconds") or {}).get("total", math.nan))
+    return {"runs": [s.run_id for s in sft_runs], "seconds": stat(seconds)}
+
+
+def write_report(records: Sequence[RunRecord], groups: Sequence[GroupResult], out: str | Path, *,
+                 settings: dict[str, Any], planned: Sequence[RunSpec], failed: dict[str, str] | None = None,
+                 window: int | None = None, sft_runs: Sequence[RunSpec] = ()) -> dict[str, Path]:
+    """Write report.md, results.json, results.csv, curves.csv and the figures; returns their paths."""
+    out = Path(out)
+    if not records:
+        raise ValueError("no finished runs to report on")
+    splits, metrics = splits_of(records), list(records[0].metrics)
+    eval_every = records[0].spec.config["rl"].get("eval_every")
+    figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES, window)
+    start, start_spread = start_stats(groups, splits, metrics[0])
+    done = {r.spec.run_id for r in records}
+    missing = [s.run_id for s in planned if s.run_id not in done]
+    text = findings(groups, splits, metrics, len(planned), len(records), eval_every)
+    if start_spread > 1e-9:
+        text.append(f"Runs of the same seed started RL from SFT models whose {_metric_title(metrics[0])} differs by "
+                    f"up to {fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
+    sft = sft_summary(sft_runs)
+    md = _markdown(records, groups, splits, metrics, settings, text, figs, out, start, missing, failed or {}, sft)
+    paths = {"report": write_text_atomic(out / "report.md", md)}
+    columns = ["section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric",
+               "statistic", "value"]
+    paths["csv"] = _write_csv(out / "results.csv", csv_rows(groups), columns)
+    paths["curves"] = _write_csv(out / "curves.csv", curve_rows,
+                                 ["figure", "panel", "group", "x", "mean", "std", "n_seeds"])
+    paths["json"] = write_json_atomic(out / "results.json", {
+        "settings": settings, "k": records[0].k, "splits": splits, "metrics": metrics,
+        "planned": [s.run_id for s in planned], "missing": missing, "failed": failed or {},
+        "findings": text, "groups": [_group_json(g) for g in groups], "runs": [_run_json(r) for r in records],
+        "rl_start": {s: st.to_dict() for s, st in start.items()},
+        "shared_sft": {"runs": sft["runs"], "seconds": sft["seconds"].to_dict()},
+        "figures": [str(p.relative_to(out)) for p in figs],
+    })
+    for fig in figs:
+        paths[fig.stem] = fig
+    return paths
+
+
+def _markdown(records: Sequence[RunRecord], groups: Sequence[GroupResult], splits: Sequence[str],
+              metrics: Sequence[str], settings: dict[str, Any], text: Sequence[str], figs: Sequence[Path],
+              out: Path, start: dict[str, Stat], missing: Sequence[str], failed: dict[str, str],
+              sft: dict[str, Any]) -> str:
+    m0, m1 = (_metric_title(m) for m in metrics)
+    setting = _setting_lines(settings, records)
+    run_seconds = stat([r.seconds.get("total", math.nan) for r in records])
+    setting.append(f"- Run time (each run's own summary.json): {fmt_pm(run_seconds, 1.0, 0)} s per RL run, "
+                   f"{math.fsum(run_seconds.values) / 60:.1f} min summed over {run_seconds.n} runs")
+    if sft["runs"]:
+        setting.append(f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model "
+                       f"({len(sft['runs'])} SFT run(s) in `runs/_sft*`, {fmt_pm(sft['seconds'], 1.0, 0)} s each; "
+                       "not included in the seconds per run below)")
+    parts = ["# trustclip compare: " + ", ".join(g.group for g in groups), "", "## Setting", "",
+             *setting, "", "## Findings (generated from the numbers below)", "",
+             *[f"- {t}" for t in text], ""]
+    if missing:
+        parts += [f"**Missing runs ({len(missing)}):** " + ", ".join(missing), ""]
+        parts += [f"- {run_id}: {why}" for run_id, why in failed.items()] + ([""] if failed else [])
+    parts += [f"## Table 2 style: final (best) {m0} / {m1} in %, mean over seeds", "",
+              table2(groups, splits, metrics), "",
+              "Final = last RL checkpoint; best = best evaluated RL checkpoint (see Findings). "
+              "Average = mean over the held-out splits.", "",
+              f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
+              table3(groups, splits, metrics[0], start), "",
+              f"Final {m1} in %, mean ± std over seeds:", "", table3(groups, splits, metrics[1]), "",
+              "## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), "",
+              "## Figures", ""]
+    singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
+    parts += [f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles]
+    if singles:
+        parts += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})"
+                                                     for p in singles)]
+    parts.append("")
+    parts += ["## Runs", "", runs_table(records, splits), "", "## Files", "",
+              "- `results.json`, `results.csv`: every number above (fractions, unrounded; per seed and aggregated)",
+              "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures",
+              "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, metrics.jsonl, "
+              "eval/, plots/, checkpoints)", ""]
+    return "\n".join(parts)
