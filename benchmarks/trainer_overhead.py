@@ -1,0 +1,125 @@
+"""Overhead of TrustClipGRPOTrainer against TRL's built-in loss (a benchmark, not a test).
+
+Same tiny model, seed, data and config; TRL's `loss_type="dapo"` (eps 0.2 / 0.28) against our `clip_higher`
+with `token_mean` aggregation, which computes the same loss (tests/test_trainer.py checks equality), so both
+runs generate the same completions and differ only in the loss code. Each run is a fresh subprocess (peak RSS
+is per process); runs are interleaved A B B A ... so that drifting machine load hits both alike.
+
+    python benchmarks/trainer_overhead.py [--steps 40] [--rounds 3] [--objective kl3 --aggregation dr_grpo]
+
+Prints median step time (TRL's `step_time`: generation + loss + backward + optimizer), the time of the loss
+forward + backward alone, and peak RSS; then the ratios ours / TRL. Targets: time <= 1.02, memory <= 1.00.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+
+
+def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int) -> dict:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trustclip.data import build_prompt_rows, make_synthetic_splits
+    from trustclip.models import build_tiny_model, load_model_and_tokenizer
+    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+
+    model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
+    rows = build_prompt_rows(make_synthetic_splits(0, n_train=512, n_eval=1)["train"], tokenizer)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    common = dict(output_dir=f"/tmp/trustclip-bench-{kind}", max_steps=steps, per_device_train_batch_size=32,
+                  num_generations=8, max_completion_length=32, learning_rate=1e-4, num_iterations=2, seed=0,
+                  use_cpu=True, bf16=False, activation_checkpointing=False, gradient_checkpointing=None,
+                  report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, temperature=1.0)
+
+    def reward(completions, **_):  # dense and cheap, so the loss code is a visible share of the step
+        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+    if kind == "trl":
+        args = GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="none", **common)
+        trainer = GRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    else:
+        kwargs = {"epsilon_low": 0.2, "epsilon_high": 0.28} if objective == "clip_higher" else {}
+        args = TrustClipGRPOConfig(objective=objective, objective_kwargs=kwargs, aggregation=aggregation,
+                                   advantage_estimator="dr_grpo", **common)
+        trainer = TrustClipGRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset,
+                                       processing_class=tokenizer)
+    loss_times: list[float] = []
+    compute_loss = trainer.compute_loss
+
+    def timed_compute_loss(*a, **k):  # forward + loss; the backward below completes the entry
+        loss_times.append(-time.perf_counter())
+        return compute_loss(*a, **k)
+
+    backward = trainer.accelerator.backward
+
+    def timed_backward(loss, **k):
+        backward(loss, **k)
+        loss_times[-1] += time.perf_counter()
+
+    trainer.compute_loss, trainer.accelerator.backward = timed_compute_loss, timed_backward
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    warm = max(2, steps // 5)  # drop warm-up steps
+    return {"step_s": statistics.median(step_times[warm:]), "loss_s": statistics.median(loss_times[2 * warm:]),
+            "peak_rss_mb": peak / 1024, "rss_before_mb": rss_before / 1024}
+
+
+def run_worker(kind: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, HERE, "--worker", kind, "--steps", str(args.steps), "--objective", args.objective,
+           "--aggregation", args.aggregation, "--threads", str(args.threads)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"worker {kind} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--objective", default="clip_higher")
+    parser.add_argument("--aggregation", default="token_mean")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", choices=["trl", "trustclip"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.steps, args.objective, args.aggregation, args.threads)))
+        return
+    load = os.getloadavg()[0]
+    results: dict[str, list[dict]] = {"trl": [], "trustclip": []}
+    for r in range(args.rounds):
+        for kind in (("trl", "trustclip") if r % 2 == 0 else ("trustclip", "trl")):
+            results[kind].append(run_worker(kind, args))
+            print(f"round {r + 1} {kind:<9}: " + ", ".join(f"{k} {v:.4g}" for k, v in results[kind][-1].items()),
+                  flush=True)
+    med = {k: {m: statistics.median(r[m] for r in runs) for m in runs[0]} for k, runs in results.items()}
+    ours = f"trustclip {args.objective}/{args.aggregation}"
+    print(f"\ntiny Qwen3, {args.steps} steps x {args.rounds} rounds interleaved, {args.threads} threads, "
+          f"load average at start {load:.2f} (end {os.getloadavg()[0]:.2f})")
+    print(f"{'':<36}{'step time (ms)':>16}{'loss fwd+bwd (ms)':>19}{'peak RSS (MB)':>15}")
+    for name, m in (("TRL GRPOTrainer loss_type=dapo", med["trl"]), (ours, med["trustclip"])):
+        print(f"{name:<36}{1000 * m['step_s']:>16.1f}{1000 * m['loss_s']:>19.1f}{m['peak_rss_mb']:>15.1f}")
+    t, o = med["trl"], med["trustclip"]
+    print(f"{'ratio ours / TRL':<36}{o['step_s'] / t['step_s']:>16.3f}{o['loss_s'] / t['loss_s']:>19.3f}"
+          f"{o['peak_rss_mb'] / t['peak_rss_mb']:>15.3f}   (targets: time <= 1.02, memory <= 1.00)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""TrustClipGRPOTrainer: every objective trains, TRL's built-in losses are reproduced exactly, and gradient
+accumulation gives the one-big-batch gradient. Tiny offline model, a few steps each."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from trustclip import compute_policy_loss, get_objective, list_objectives, ratio_bounds  # noqa: E402
+from trustclip.objectives.constraints import custom_divergence  # noqa: E402
+
+PROMPTS = [f"Compute {a}+{b}. Answer in \\boxed{{}}.\n" for a, b in [(3, 4), (12, 7), (5, 9), (21, 30)]]
+
+
+def digit_reward(completions, **kwargs):
+    """A dense reward (fraction of digits) so every group has variance and every step has a gradient."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from trustclip.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(tiny_model_path)
+
+
+def make_config(tmp_path, **overrides):
+    from trustclip.trainers import TrustClipGRPOConfig
+
+    kwargs = dict(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, learning_rate=5e-3, num_iterations=2, use_cpu=True, bf16=False,
+        activation_checkpointing=False, gradient_checkpointing=None, report_to="none", logging_steps=1,
+        save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    return TrustClipGRPOConfig(**(kwargs | overrides))
+
+
+def make_trainer(tiny, tmp_path, reward=digit_reward, objective_object=None, **overrides):
+    from datasets import Dataset
+
+    from trustclip.trainers import TrustClipGRPOTrainer
+
+    model, tokenizer = tiny
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
+    return TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=reward, args=make_config(tmp_path, **overrides),
+                                train_dataset=dataset, processing_class=tokenizer, objective=objective_object)
+
+
+# Tight bounds so that the second update of each batch (num_iterations=2) certainly clips something.
+TIGHT = {
+    "clip": {"epsilon": 0.01}, "clip_higher": {"epsilon_low": 0.01, "epsilon_high": 0.015},
+    "dual_clip": {"epsilon_low": 0.01, "epsilon_high": 0.01, "clip_ratio_c": 1.02},
+    "dcpo": {"epsilon_low": 1e-5, "epsilon_high": 1e-5}, "trgppo": {"delta": 1e-6, "epsilon": None},
+    "kl1": {"delta": 1e-4}, "kl2": {"delta": 1e-5}, "kl3": {"delta": 1e-5}, "is_kl3": {"delta": 1e-5},
+    "truly_ppo": {"delta": 1e-7}, "cispo": {"epsilon_low": 0.01, "epsilon_high": 0.01},
+    "aspo": {"epsilon_low": 0.01, "epsilon_high": 0.01}, "gspo": {"epsilon_low": 1e-5, "epsilon_high": 1e-5},
+    "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -100.0, "clip_cov_ub": 100.0, "seed": 0},
+    "kl_cov": {"kl_cov_ratio": 0.2},
+}
+NO_HARD_CLIP = {"sapo", "kl_cov"}  # soft gate / penalty only: clip fractions must stay exactly 0
+OBJECTIVES = [row["name"] for row in list_objectives() if row["name"] != "general"]
+
+
+@pytest.mark.parametrize("name", OBJECTIVES + ["general"])
+def test_every_objective_trains(tiny, tmp_path, name):
+    if name == "general":  # a user constraint object goes to the trainer directly
+        constraint = custom_divergence(lambda w: (w - 1) ** 2, 1e-5, name="squared")
+        trainer = make_trainer(tiny, tmp_path, objective="general",
+                               objective_object=get_objective("general", constraint=constraint))
+    else:
+        trainer = make_trainer(tiny, tmp_path, objective=name, objective_kwargs=TIGHT.get(name, {}))
+    assert trainer.objective.name == name
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))
+    assert changed > 0, "no parameter moved"
+    first, second = logs
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "objective/clip_frac", "objective/ratio_max",
+                "objective/kl3_mean", "entropy", "policy_loss"):
+        assert key in first and key in second, key
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
+        assert key in first, key  # logged when the batch is generated
+    assert first["objective/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # first update: on-policy
+    assert second["objective/kl3_mean"] > 0  # second update of the same batch: off-policy
+    if name in NO_HARD_CLIP:
+        assert second["objective/clip_frac"] == 0.0
+        stat = "objective/gate_weight_mean" if name == "sapo" else "objective/cov_selected_frac"
+        assert 0 < second[stat] < 1
+    else:
+        assert second["objective/clip_frac"] > 0, f"{name} clipped nothing off-policy"
+
+
+def test_on_policy_configuration_warns(tiny, tmp_path):
+    with pytest.warns(UserWarning, match="identically 1"):
+        make_trainer(tiny, tmp_path, num_iterations=1)
+
+
+def test_bad_configuration_names_the_value(tmp_path):
+    with pytest.raises(ValueError, match="delta=-1"):
+        make_config(tmp_path, objective="kl3", objective_kwargs={"delta": -1})
+    with pytest.raises(ValueError, match="aggregation='mean'"):
+        make_config(tmp_path, aggregation="mean")
+    with pytest.raises(ValueError, match="unknown objective 'atr2'"):
+        make_config(tmp_path, objective="atr2")
+
+
+# ------------------------------------------------------------------ equivalence with TRL's built-in losses
+def _batch(tokenizer, seed=0, b=8, t=6):
+    """A fixed batch with a perturbed old policy (so ratios differ from 1), ragged lengths, mixed advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = tokenizer(PROMPTS[:2] * (b // 2), return_tensors="pt", padding=True, add_special_tokens=False)
+    completion_ids = torch.randint(5, 60, (b, t), generator=g)
+    lengths = torch.tensor([t, 2, 5, t, 1, 4, t, 3])[:b]
+    completion_mask = (torch.arange(t)[None] < lengths[:, None]).long()
+    return {
+        "prompt_ids": prompt["input_ids"], "prompt_mask": prompt["attention_mask"],
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "advantages": torch.randn(b, generator=g), "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+def _with_old_logps(trainer, inputs, seed=1, scale=0.3):
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
+    g = torch.Generator().manual_seed(seed)
+    noise = scale * torch.randn(logps.shape, generator=g)
+    return {**inputs, "old_per_token_logps": (logps + noise).clamp(max=0.0)}
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+
+def _trl_trainer(tiny, tmp_path, **config):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = tiny
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=6, use_cpu=True, bf16=False, report_to="none",
+                      activation_checkpointing=False, gradient_checkpointing=None, **config)
+    return GRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=args, processing_class=tokenizer,
+                       train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
+
+
+L3, U3 = ratio_bounds("kl3", delta=0.07)
+TRL_MATCHES = {  # name: (our objective, kwargs, aggregation, TRL config)
+    "dapo": ("clip_higher", {"epsilon_low": 0.2, "epsilon_high": 0.28}, "token_mean",
+             {"loss_type": "dapo", "epsilon": 0.2, "epsilon_high": 0.28}),
+    "dr_grpo": ("clip", {"epsilon": 0.2}, "dr_grpo", {"loss_type": "dr_grpo", "epsilon": 0.2}),
+    "grpo": ("clip", {"epsilon": 0.2}, "seq_mean_token_mean", {"loss_type": "grpo", "epsilon": 0.2}),
+    "sapo": ("sapo", {"tau_pos": 1.0, "tau_neg": 1.05}, "seq_mean_token_mean",
+             {"loss_type": "sapo", "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}),
+    "cispo": ("cispo", {"epsilon_low": None, "epsilon_high": 4.0}, "token_mean",
+              {"loss_type": "cispo", "epsilon_high": 5.0}),
+    "dapo+delta": ("dual_clip", {"epsilon_low": 0.2, "epsilon_high": 0.2, "clip_ratio_c": 1.3}, "token_mean",
+                   {"loss_type": "dapo", "epsilon": 0.2, "delta": 1.3}),
+    "gspo": ("gspo", {"epsilon_low": 0.05, "epsilon_high": 0.05}, "seq_mean_token_mean",
+             {"loss_type": "grpo", "epsilon": 0.05, "importance_sampling_level": "sequence"}),
+    "kl3=asymmetric dapo": ("kl3", {"delta": 0.07}, "token_mean",
+                            {"loss_type": "dapo", "epsilon": 1 - L3, "epsilon_high": U3 - 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRL_MATCHES))
+def test_matches_trl_builtin_loss(tiny, tmp_path, case):
+    objective, kwargs, aggregation, trl_config = TRL_MATCHES[case]
+    ours = make_trainer(tiny, tmp_path / "ours", objective=objective, objective_kwargs=kwargs,
+                        aggregation=aggregation, max_completion_length=6)
+    theirs = _trl_trainer(tiny, tmp_path, **trl_config)
+    inputs = _with_old_logps(theirs, _batch(tiny[1]))
+    loss_ours, grads_ours = _loss_and_grads(ours, inputs)
+    loss_trl, grads_trl = _loss_and_grads(theirs, inputs)
+    torch.testing.assert_close(loss_ours, loss_trl, rtol=1e-5, atol=1e-7)
+    assert len(grads_ours) == len(grads_trl) > 0
+    for a, b in zip(grads_ours, grads_trl, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    if case in ("dapo", "dr_grpo", "grpo", "kl3=asymmetric dapo"):  # same clip statistics, same names
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            assert ours._metrics["train"][key] == pytest.approx(theirs._metrics["train"][key])
+        assert ours._metrics["train"]["objective/clip_frac"][0] > 0  # the batch does clip
+
+
+# ------------------------------------------------------------------ faithful normalisation
+@pytest.mark.parametrize("aggregation", ["dr_grpo", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path, aggregation):
+    """ga=2 micro-batches of 4 (summed by the Trainer) == one batch of 8 == compute_policy_loss on all 8."""
+    full = make_trainer(tiny, tmp_path / "full", objective="kl3", objective_kwargs={"delta": 0.02},
+                        aggregation=aggregation, max_completion_length=6)
+    accum = make_trainer(tiny, tmp_path / "accum", objective="kl3", objective_kwargs={"delta": 0.02},
+                         aggregation=aggregation, max_completion_length=6, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2, num_generations=4)
+    inputs = _with_old_logps(full, _batch(tiny[1]))
+    loss_full, grads_full = _loss_and_grads(full, inputs)
+
+    halves = [{k: (v[i * 4:(i + 1) * 4] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in inputs.items()}
+              for i in range(2)]
+    accum.count_slice_tokens(halves)
+    accum.model.train()
+    accum.model.zero_grad()
+    accum.current_gradient_accumulation_steps = 2
+    total = 0.0
+    for step, half in enumerate(halves):
+        accum._step = step
+        loss = accum.compute_loss(accum.model, half)
+        loss.backward()
+        total += loss.detach()
+    torch.testing.assert_close(total, loss_full, rtol=1e-5, atol=1e-7)
+    grads_accum = [p.grad for p in accum.model.parameters() if p.grad is not None]
+    for a, b in zip(grads_accum, grads_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+    # and both equal the pure objective on the whole batch (no trainer denominators)
+    model = full.model
+    model.zero_grad()
+    logps, _, _ = full._get_per_token_logps_and_entropies(
+        model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
+    ref, _ = compute_policy_loss(get_objective("kl3", delta=0.02), logp=logps, old_logp=inputs["old_per_token_logps"],
+                                 advantages=inputs["advantages"], mask=inputs["completion_mask"],
+                                 aggregation=aggregation, max_len=6)
+    torch.testing.assert_close(ref.detach(), loss_full, rtol=1e-5, atol=1e-7)
+
+
+def test_empty_micro_batch_gives_zero_loss(tiny, tmp_path):
+    trainer = make_trainer(tiny, tmp_path, objective="kl3")
+    inputs = _batch(tiny[1])
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    loss, grads = _loss_and_grads(trainer, inputs)
+    assert loss.item() == 0.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_rloo_scales_advantages(tiny, tmp_path, monkeypatch):
+    from trl import GRPOTrainer
+
+    trainer = make_trainer(tiny, tmp_path, advantage_estimator="rloo")
+    assert trainer.args.scale_rewards == "none"
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions",
+                        lambda self, inputs: {"advantages": torch.tensor([1.0, -1.0, 3.0, -3.0])})
+    out = trainer._generate_and_score_completions([])
+    torch.testing.assert_close(out["advantages"], torch.tensor([1.0, -1.0, 3.0, -3.0]) * 4 / 3)

@@ -1,0 +1,20 @@
+"""`trustclip train` as a library: configuration dataclasses, YAML recipes with `--set` overrides, and the
+pipeline SFT for format -> RLVR -> evaluation.
+
+    from trustclip.train import load_config, run_pipeline
+    summary = run_pipeline(load_config("recipes/qwen3_1.7b_atr.yaml", ["rl.max_steps=10"], output_dir="runs/x"))
+
+`run_pipeline(config) -> dict` writes everything into `config.output_dir` (see `trustclip.train.pipeline`).
+Heavy libraries (torch, transformers, TRL) are imported when a stage runs, not on import.
+"""
+
+from trustclip.train.config import STAGES, TrainConfig, load_config, option_table
+
+__all__ = ["STAGES", "TrainConfig", "load_config", "option_table", "run_pipeline"]
+
+
+def run_pipeline(config: TrainConfig, printer=None) -> dict:
+    """See `trustclip.train.pipeline.run_pipeline`."""
+    from trustclip.train.pipeline import run_pipeline as _run
+
+    return _run(config, printer)

@@ -1,0 +1,115 @@
+"""Trainer callbacks of `trustclip train`: metrics.jsonl logging, compact progress lines, periodic eval."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from trustclip.trainers import metric_names as names
+
+
+class JsonlMetricsCallback(TrainerCallback):
+    """Appends every log of the main process to `path` as `{"stage", "step", **metrics}` lines.
+
+    On resume (training starts at global_step > 0) lines of this stage logged after that step, i.e. by the
+    killed run after its last checkpoint, are dropped first, so the file has one line per step.
+    """
+
+    def __init__(self, path: str | Path, stage: str) -> None:
+        self.path, self.stage = Path(path), stage
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and state.global_step > 0 and self.path.exists():
+            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and not self._after(json.loads(line), state.global_step)]
+            self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+    def _after(self, record: dict, step: int) -> bool:
+        return record.get("stage") == self.stage and record.get("step", 0) > step
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        record = {"stage": self.stage, "step": state.global_step, "time": round(time.time(), 3)}
+        record |= {k: _clean(v) for k, v in logs.items()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN / inf
+    return value
+
+
+class ProgressCallback(TrainerCallback):
+    """One compact line every `every` optimizer steps (interval means of the chosen metrics, speed, ETA)."""
+
+    RL_FIELDS = (("reward", names.REWARD), ("clip lo/hi", (names.CLIP_LOW, names.CLIP_HIGH)),
+                 ("entropy", names.ENTROPY), ("len", names.COMPLETION_LENGTH))
+    SFT_FIELDS = (("loss", "loss"), ("tok acc", "mean_token_accuracy"))
+
+    def __init__(self, stage: str, every: int, printer: Callable[[str], None] = print) -> None:
+        self.stage, self.every, self.printer = stage, max(1, every), printer
+        self.fields = self.RL_FIELDS if stage == "rl" else self.SFT_FIELDS
+        self.window: dict[str, list[float]] = defaultdict(list)
+        self.start = self.start_step = self.last_printed = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.start, self.start_step = time.perf_counter(), state.global_step
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        for key, value in logs.items():
+            if isinstance(value, int | float) and math.isfinite(value):
+                self.window[key].append(float(value))
+        step, total = state.global_step, state.max_steps
+        if (step % self.every and step != total) or step == self.last_printed:
+            return
+        self.last_printed = step
+        done = max(step - self.start_step, 1)
+        per_step = (time.perf_counter() - self.start) / done
+        parts = [f"[{self.stage}] step {step:>4}/{total}"]
+        for label, keys in self.fields:
+            values = [self._mean(k) for k in (keys if isinstance(keys, tuple) else (keys,))]
+            if all(v is not None for v in values):
+                parts.append(f"{label} " + "/".join(f"{v:.3f}" for v in values))
+        parts.append(f"{per_step:.2f} s/step, eta {_duration(per_step * (total - step))}")
+        self.printer(" | ".join(parts))
+        self.window.clear()
+
+    def _mean(self, key: str) -> float | None:
+        values = self.window.get(key)
+        return sum(values) / len(values) if values else None
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+class PeriodicEvalCallback(TrainerCallback):
+    """Runs `evaluate_fn(model, step) -> {name: value}` every `every` steps on the main process and hands the
+    values to the trainer's metric buffer, so they are logged with that step (logs, report_to, jsonl)."""
+
+    def __init__(self, trainer: Any, every: int, evaluate_fn: Callable[[Any, int], dict[str, float]]) -> None:
+        self.trainer, self.every, self.evaluate_fn = trainer, every, evaluate_fn
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.every or state.global_step % self.every:
+            return
+        accelerator = self.trainer.accelerator
+        if accelerator.is_main_process:
+            model = accelerator.unwrap_model(self.trainer.model)
+            for key, value in self.evaluate_fn(model, state.global_step).items():
+                self.trainer._metrics["train"][key].append(value)
+        accelerator.wait_for_everyone()

@@ -1,0 +1,69 @@
+"""Rows for the stages: files / hub datasets through `trustclip.data.load_prompts`, and the built-in synthetic
+task through `make_synthetic_splits` with the levels and sizes of `config.data` (a thin adapter: the default
+run trains on a subset of the levels and evaluates on all held-out splits)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Any
+
+from trustclip.train.config import TrainConfig
+
+BUILTIN = "builtin"
+
+
+def load_rows(source: str, config: TrainConfig, *, split: str, subset: str | None = None, limit: int | None = None,
+              problem_key: str | None = None, answer_key: str | None = None) -> list[dict[str, Any]]:
+    """Rows `{"id", "problem", "answer", ...}` of a file, hub dataset, or `builtin:<split>`."""
+    from trustclip.data import load_prompts
+
+    if source.startswith(BUILTIN + ":"):
+        name = source.split(":", 1)[1]
+        splits = synthetic_splits(config)
+        if name not in splits:
+            raise ValueError(f"unknown builtin split {name!r}; choose from {sorted(splits)}")
+        return splits[name][:limit]
+    d = config.data
+    return load_prompts(source, split=split, subset=subset, problem_key=problem_key or d.problem_key,
+                        answer_key=answer_key or d.answer_key, limit=limit, seed=d.seed)
+
+
+def synthetic_splits(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
+    d = config.data
+    return _synthetic(d.seed, d.builtin_n_train, d.builtin_n_eval, tuple(d.builtin_train_levels), d.builtin_max_operand)
+
+
+@lru_cache(maxsize=4)
+def _synthetic(seed: int, n_train: int, n_eval: int, levels: tuple[int, ...], max_operand: int | None) -> dict:
+    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, LEVELS, make_synthetic_splits
+
+    def level(k: int) -> Any:
+        if k not in LEVELS:
+            raise ValueError(f"data.builtin_train_levels: unknown level {k!r}; known: {sorted(LEVELS)}")
+        return LEVELS[k] if max_operand is None else dataclasses.replace(LEVELS[k], hi=max_operand)
+
+    evals = {name: [level(k) for k in lvs] for name, lvs in DEFAULT_EVAL_SPLITS.items()}
+    return make_synthetic_splits(seed, n_train, n_eval, train_levels=[level(k) for k in levels], eval_splits=evals)
+
+
+def load_benchmarks(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
+    """`data.eval` specs -> {name: rows}: `builtin` (every held-out synthetic split), NAME=SOURCE or SOURCE."""
+    from trustclip.data import load_benchmark_specs
+
+    d = config.data
+    out: dict[str, list[dict[str, Any]]] = {}
+    for spec in d.eval:
+        if spec == BUILTIN:
+            pairs = {name: rows for name, rows in synthetic_splits(config).items() if name != "train"}
+        elif spec.partition("=")[2].startswith(BUILTIN + ":") or spec.startswith(BUILTIN + ":"):
+            name, _, source = spec.rpartition("=") if "=" in spec else (spec.split(":", 1)[1], "", spec)
+            pairs = {name: load_rows(source, config, split=d.eval_split)}
+        else:
+            pairs = load_benchmark_specs([spec], split=d.eval_split, problem_key=d.problem_key,
+                                         answer_key=d.answer_key, seed=d.seed)
+        for name, rows in pairs.items():
+            if name in out:
+                raise ValueError(f"data.eval: benchmark name {name!r} given twice")
+            out[name] = rows[: d.eval_limit]
+    return out

@@ -1,0 +1,251 @@
+"""`run_pipeline(config) -> summary`: SFT for format -> evaluation before -> RLVR -> evaluation after ->
+plots and `summary.json`, everything under `config.output_dir`.
+
+Layout of the output directory:
+    config.yaml        the resolved configuration
+    state.json         which stages finished (and their seconds); what `--resume` reads
+    metrics.jsonl      one line per logged step: {"stage": "sft"|"rl", "step", metrics...}
+    sft/final/         the SFT model (LoRA merged), the RL start
+    rl/checkpoint-N/   RL checkpoints (for --resume); rl/final/ the trained policy (or adapter)
+    eval/before.json, eval/after.json   full evaluation results (Mean@K / Pass@K, curves, seed)
+    plots/*.png        reward, entropy, completion length, clip fractions vs step (smoothed)
+    summary.json       {"accuracy_before": {split: x}, "accuracy_after": {...}, "seconds": {stage: s}, ...}
+
+Multi-process (`accelerate launch`): SFT and RL train on every process; evaluation, plots and files are
+the main process's job, the others wait.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trustclip.train.config import TrainConfig
+from trustclip.train.data import load_benchmarks
+from trustclip.train.stages import load_policy, run_eval, run_rl, run_sft
+
+STAGE_ORDER = ("sft", "eval_before", "rl", "eval_after")
+# What a stage's fresh re-run invalidates (itself and everything downstream of its model).
+INVALIDATES = {"sft": STAGE_ORDER, "rl": ("rl", "eval_after"), "eval": ("eval_before", "eval_after")}
+
+
+class Run:
+    """Paths, persistent stage state (state.json) and printing of one pipeline run."""
+
+    def __init__(self, config: TrainConfig, printer: Callable[[str], None] | None = None) -> None:
+        from accelerate import PartialState
+
+        from trustclip.train.stages import accelerator_kwargs
+
+        self.config, self.out = config, Path(config.output_dir)
+        # cpu=True on a CPU-only machine: the first PartialState fixes the backend (gloo) for the trainers too.
+        self.dist = PartialState(cpu=accelerator_kwargs()["use_cpu"])
+        self.main = self.dist.is_main_process
+        self._printer = printer or _flush_print
+        path = self.out / "state.json"
+        self.state: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+        self.ran: dict[str, float] = {}  # stages finished by this process
+
+    def print(self, message: str) -> None:
+        if self.main and not self.config.quiet:
+            self._printer(message)
+
+    def done(self, stage: str) -> bool:
+        return bool(self.state.get(stage, {}).get("done"))
+
+    def finish(self, stage: str, seconds: float, **info: Any) -> None:
+        self.state[stage] = {"done": True, "seconds": round(seconds, 2), **info}
+        self.ran[stage] = seconds
+        if self.main:
+            (self.out / "state.json").write_text(json.dumps(self.state, indent=2) + "\n")
+
+
+def prepare_output_dir(run: Run) -> None:
+    """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
+    (and those of every stage downstream of them) are removed. Nothing else in output_dir is touched."""
+    config, out = run.config, run.out
+    if not config.resume:
+        stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
+        if stale and run.main:
+            print(f"note: {out} holds earlier results of {', '.join(stale)}; redoing them "
+                  "(use --resume to continue an interrupted run instead)")
+        for stage in stale:
+            run.state.pop(stage)
+            if run.main:
+                _remove_stage_files(out, stage)
+    if run.main:
+        out.mkdir(parents=True, exist_ok=True)
+        import yaml
+
+        (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        (out / "state.json").write_text(json.dumps(run.state, indent=2) + "\n")
+    run.dist.wait_for_everyone()
+
+
+def _remove_stage_files(out: Path, stage: str) -> None:
+    if stage in ("sft", "rl"):
+        shutil.rmtree(out / stage, ignore_errors=True)
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file():
+            keep = [line for line in metrics.read_text().splitlines() if json.loads(line).get("stage") != stage]
+            metrics.write_text("".join(line + "\n" for line in keep))
+    else:
+        (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
+def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the configured stages; returns (and writes) the summary dict. See the module docstring."""
+    t_start = time.perf_counter()
+    _quiet_libraries()
+    run = Run(config, printer)
+    prepare_output_dir(run)
+    stages = config.stages
+    sft_final, rl_final = run.out / "sft" / "final", run.out / "rl" / "final"
+    start = sft_final if run.done("sft") and _is_model_dir(sft_final) else config.model.name_or_path
+    run.print(f"trustclip train: stages {', '.join(stages)} -> {run.out}")
+    model, tokenizer = load_policy(start, config)
+
+    if "sft" in stages and not run.done("sft"):
+        t = time.perf_counter()
+        run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
+        model = run_sft(model, tokenizer, config, run.out, run.print)
+        _save(run, model, tokenizer, sft_final)
+        run.finish("sft", time.perf_counter() - t, model=str(sft_final))
+
+    benchmarks = load_benchmarks(config) if "eval" in stages or config.rl.eval_every else None
+    if "eval" in stages and not run.done("eval_before"):
+        _evaluate(run, "before", model, tokenizer, benchmarks)
+
+    if "rl" in stages and not run.done("rl"):
+        t = time.perf_counter()
+        r = config.rl
+        run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
+                  f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
+        periodic = _periodic_eval(run, tokenizer, benchmarks) if benchmarks else None
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if run.main:
+            trainer.save_model(str(rl_final))
+            tokenizer.save_pretrained(str(rl_final))
+        run.dist.wait_for_everyone()
+        run.finish("rl", time.perf_counter() - t, model=str(rl_final), steps=trainer.state.global_step)
+    elif "eval" in stages and run.done("rl") and not run.done("eval_after") and _is_model_dir(rl_final):
+        model, tokenizer = load_policy(rl_final, config)
+
+    if "eval" in stages and run.done("rl") and not run.done("eval_after"):
+        _evaluate(run, "after", model, tokenizer, benchmarks)
+
+    summary = _summary(run, time.perf_counter() - t_start - sum(run.ran.values()))
+    if run.main:
+        if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
+            _plots(run)
+        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print_table(summary, run.print)
+    run.dist.wait_for_everyone()
+    return summary
+
+
+def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
+    if run.main:
+        model.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+    run.dist.wait_for_everyone()
+
+
+def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict) -> None:
+    t = time.perf_counter()
+    result = None
+    if run.main:
+        names = ", ".join(benchmarks)
+        run.print(f"[eval] {when}: {names} (Mean@{run.config.eval.k}, T={run.config.eval.temperature})")
+        result = run_eval(model, tokenizer, benchmarks, run.config)
+        key = f"mean@{run.config.eval.k}"
+        run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
+                  + f" ({time.perf_counter() - t:.0f}s)")
+        (run.out / "eval").mkdir(parents=True, exist_ok=True)
+        (run.out / "eval" / f"{when}.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    run.dist.wait_for_everyone()
+    run.finish(f"eval_{when}", time.perf_counter() - t)
+
+
+def _periodic_eval(run: Run, tokenizer: Any, benchmarks: dict) -> Callable[[Any, int], dict[str, float]]:
+    def evaluate_now(model: Any, step: int) -> dict[str, float]:
+        result = run_eval(model, tokenizer, benchmarks, run.config, step=step)
+        return result.flat_metrics("eval/")
+
+    return evaluate_now
+
+
+def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
+    config, k = run.config, run.config.eval.k
+    summary: dict[str, Any] = {"objective": config.rl.objective, "objective_kwargs": dict(config.rl.objective_kwargs),
+                               "model": config.model.name_or_path, "metric": f"mean@{k}"}
+    for when in ("before", "after"):
+        path = run.out / "eval" / f"{when}.json"
+        if path.is_file():
+            metrics = json.loads(path.read_text())["metrics"]
+            summary[f"accuracy_{when}"] = {split: m[f"mean@{k}"] for split, m in metrics.items()}
+            summary[f"pass_{when}"] = {split: m[f"pass@{k}"] for split, m in metrics.items()}
+    seconds = {stage: run.state[stage]["seconds"] for stage in STAGE_ORDER if stage in run.state}
+    seconds["other"] = round(max(other_seconds, 0.0), 2)  # imports, loading, data, plots
+    seconds["total"] = round(sum(seconds.values()), 2)
+    summary["seconds"] = seconds
+    if run.done("rl"):
+        summary["rl_steps"] = run.state["rl"].get("steps")
+        summary["final_model"] = run.state["rl"].get("model")
+    summary["output_dir"] = str(run.out)
+    return summary
+
+
+def _plots(run: Run) -> None:
+    from trustclip.train.plots import plot_training_curves
+
+    try:
+        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", title=run.config.rl.objective)
+        run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
+    except ValueError as err:  # e.g. an rl stage that logged nothing
+        run.print(f"[plots] skipped: {err}")
+
+
+def print_table(summary: dict[str, Any], printer: Callable[[str], None] = print) -> None:
+    """Held-out accuracy before -> after, one line per split, and the time per stage."""
+    before, after = summary.get("accuracy_before", {}), summary.get("accuracy_after", {})
+    splits = list(after or before)
+    if splits:
+        printer(f"\nheld-out accuracy ({summary['metric']}), objective {summary['objective']}:")
+        printer(f"  {'split':<16}{'before':>9}{'after':>9}{'change':>10}")
+        for split in splits:
+            b, a = before.get(split), after.get(split)
+            change = f"{100 * (a - b):+.1f}" if a is not None and b is not None else ""
+            printer(f"  {split:<16}{_pct(b):>9}{_pct(a):>9}{change:>10}")
+    seconds = summary.get("seconds", {})
+    printer("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
+
+
+def _flush_print(message: str) -> None:
+    print(message, flush=True)  # progress must show up promptly even when stdout is a pipe or a file
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _quiet_libraries() -> None:
+    """Our own progress lines replace the libraries' bars and per-step dict printing."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)

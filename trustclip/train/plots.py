@@ -1,0 +1,85 @@
+"""Training curves of an RL run (the paper's Figure 2 panels): reward, entropy, completion length and
+clip fractions against the optimizer step, read from `metrics.jsonl`, raw (faint) and smoothed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from trustclip.trainers import metric_names as names
+
+# file stem -> (title, [(metric, label)])
+PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
+    "reward": ("Reward (train)", [(names.REWARD, "mean reward")]),
+    "entropy": ("Policy entropy", [(names.ENTROPY, "entropy (nats/token)")]),
+    "completion_length": ("Completion length", [(names.COMPLETION_LENGTH, "mean length (tokens)")]),
+    "clip_fractions": ("Clipped tokens", [(names.CLIP_LOW, "clipped low (A<0)"),
+                                          (names.CLIP_HIGH, "clipped high (A>0)")]),
+}
+
+
+def read_series(path: str | Path, stage: str = "rl") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{metric: (steps, values)} of one stage's numeric metrics in a metrics.jsonl file."""
+    series: dict[str, dict[int, float]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if record.get("stage") != stage:
+            continue
+        for key, value in record.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and key not in ("step", "time"):
+                series.setdefault(key, {})[int(record["step"])] = float(value)  # a resumed step overwrites
+    return {k: (np.array(sorted(v)), np.array([v[s] for s in sorted(v)])) for k, v in series.items()}
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average (window shrinks at the start), as the paper's 100-step smoothing."""
+    if window <= 1 or len(values) == 0:
+        return values
+    cumsum = np.cumsum(np.insert(values, 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(idx - window, 0)
+    return (cumsum[idx] - cumsum[lo]) / (idx - lo)
+
+
+def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, *, title: str = "",
+                         window: int | None = None) -> list[Path]:
+    """Write one PNG per panel plus `training_curves.png` (all four); returns the paths written.
+
+    `window` defaults to a tenth of the run (the paper smooths 1000 steps over 100)."""
+    from trustclip.figures import figure_context, new_figure, save_figure, style_axes
+
+    series = read_series(metrics_path)
+    if not series:
+        raise ValueError(f"{metrics_path}: no RL metrics to plot")
+    n_steps = max(len(s[0]) for s in series.values())
+    window = window or max(1, n_steps // 10)
+    out_dir = Path(out_dir)
+    written = []
+    with figure_context():
+        fig_all, axes = new_figure(2, 2, width=4.6, height=3.2)
+        for ax_all, (stem, (panel_title, curves)) in zip(axes.flat, PANELS.items(), strict=True):
+            fig, ax = new_figure(1, 1)
+            for target in (ax[0, 0], ax_all):
+                _draw(target, series, curves, window)
+                style_axes(target, title=f"{panel_title} ({title})" if title else panel_title, xlabel="step")
+            written.append(save_figure(fig, out_dir / f"{stem}.png"))
+        smoothing = f"moving average over {window} steps"
+        fig_all.suptitle(f"{title}: {smoothing}" if title else smoothing)
+        written.append(save_figure(fig_all, out_dir / "training_curves.png"))
+    return written
+
+
+def _draw(ax, series: dict, curves: list[tuple[str, str]], window: int) -> None:
+    from trustclip.figures import color_for
+
+    for metric, label in curves:
+        if metric not in series:
+            continue
+        steps, values = series[metric]
+        color = color_for(metric)
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, smooth(values, window), color=color, linewidth=1.8, label=label)

@@ -1,0 +1,23 @@
+"""Trainer integrations. `TrustClipGRPOTrainer` / `TrustClipGRPOConfig` (TRL) load lazily so that
+`trustclip.trainers.metric_names` can be imported without TRL (e.g. from the verl plugin)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "TrustClipGRPOTrainer": "trustclip.trainers.trl_trainer",
+    "TrustClipGRPOConfig": "trustclip.trainers.trl_trainer",
+    "on_policy_warning": "trustclip.trainers.trl_trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trustclip.trainers' has no attribute {name!r}")
+
+
+__all__ = ["TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"]

@@ -1,0 +1,424 @@
+"""TRL 1.16 `GRPOTrainer` with the policy loss replaced by any trustclip objective.
+
+Only `_compute_loss` is replaced (TRL's sanctioned extension point): generation, rewards, the fused
+LM-head log-prob path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and
+logging are TRL's. What the override keeps from TRL's own loss: the high-entropy token mask
+(`top_entropy_quantile`), the off-policy sequence mask (`off_policy_mask_threshold`), vLLM importance
+weights, the k3 KL to a reference model (`beta`), the entropy bonus (static or adaptive), the MoE
+auxiliary loss, and the `clip_ratio/*` / `entropy` metric names.
+
+Normalisation (the contract with `transformers.Trainer`, `loss_is_scaled_for_ga = True`): each
+micro-batch returns its share of the one-big-batch loss of the optimizer step, so that summing over
+gradient-accumulation steps and averaging over processes (DDP) gives exactly the gradient of the whole
+step's batch. Sequence aggregations divide by the step's number of sequences; `token_mean` divides by the
+step's number of valid tokens, counted exactly from the buffered generation batch when the accumulation
+window lies inside one generation batch (always true with TRL's default steps_per_generation).
+
+Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch is used for more
+than one optimizer step: `num_iterations >= 2` (mu updates per batch) or `steps_per_generation >
+gradient_accumulation_steps` (one batch split over several optimizer steps). Otherwise every clipping
+objective reduces to the plain policy gradient; the trainer warns loudly at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from trustclip.objectives import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    Objective,
+    aggregate,
+    compute_token_loss,
+    get_objective,
+)
+from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.registry import TokenLoss
+from trustclip.trainers import metric_names as names
+
+logger = logging.getLogger(__name__)
+
+# TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
+_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+
+
+@dataclass
+class TrustClipGRPOConfig(GRPOConfig):
+    r"""[`~trl.GRPOConfig`] plus the trustclip objective. TRL's `loss_type`, `epsilon`, `epsilon_high` and
+    `delta` are ignored: the objective and `aggregation` define the loss.
+
+    Parameters:
+        objective (`str`, defaults to `"kl3"`):
+            Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
+            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...).
+        objective_kwargs (`dict` or `str`, *optional*):
+            Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
+        aggregation (`str`, defaults to `"dr_grpo"`):
+            `dr_grpo` (sum / (B * L_max), Dr.GRPO), `token_mean` (DAPO), `seq_mean_token_mean` (GRPO) or
+            `seq_mean_token_sum`.
+        advantage_estimator (`str`, defaults to `"dr_grpo"`):
+            `dr_grpo` (R - group mean), `grpo` (group-standardised, TRL's `scale_rewards="group"`) or `rloo`
+            (leave-one-out baseline). Overrides `scale_rewards`.
+        max_len_normalizer (`int`, *optional*):
+            L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
+    """
+
+    objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
+    objective_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Objective hyper-parameters (dict or JSON string), e.g. '{\"delta\": 0.07}'."}
+    )
+    aggregation: str = field(
+        default="dr_grpo", metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)}."}
+    )
+    advantage_estimator: str = field(
+        default="dr_grpo", metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)}."}
+    )
+    max_len_normalizer: int | None = field(
+        default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
+            self.bf16 = False  # TRL defaults to bf16, which raises on a CPU-only machine
+        if isinstance(self.objective_kwargs, str):
+            try:
+                self.objective_kwargs = json.loads(self.objective_kwargs) if self.objective_kwargs.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"objective_kwargs={self.objective_kwargs!r} is not valid JSON: {err}") from None
+        self.objective_kwargs = dict(self.objective_kwargs or {})
+        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+            # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
+            get_objective(self.objective, **self.objective_kwargs)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r} is invalid; valid: {', '.join(AGGREGATIONS)}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} is invalid; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
+            )
+        if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
+            raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
+        if self.importance_sampling_level != "token":
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r}: sequence-level ratios are an objective "
+                "in trustclip; use objective='gspo' with importance_sampling_level='token'"
+            )
+        self.scale_rewards = _SCALE_REWARDS[self.advantage_estimator]
+        super().__post_init__()
+
+
+def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
+    """The start-up warning when every update is on-policy (w == 1 identically), else None."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    if args.gradient_accumulation_steps % generate_every != 0:
+        return None
+    return (
+        f"num_iterations={args.num_iterations} and steps_per_generation={args.steps_per_generation} <= "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps}: each generation batch is used for exactly "
+        f"one optimizer step, so the importance ratio w = pi/pi_old is identically 1 and the constraint of objective "
+        f"{objective!r} NEVER binds (no token is clipped; the update is the plain policy gradient). For off-policy "
+        "updates where the objective matters, set num_iterations >= 2 (reuse each batch for several updates) or "
+        "steps_per_generation > gradient_accumulation_steps (split one batch over several optimizer steps)."
+    )
+
+
+class TrustClipGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` whose policy loss is a trustclip objective.
+
+    Use it like TRL's trainer; pass a [`TrustClipGRPOConfig`] (or a plain `GRPOConfig` plus `objective=`):
+
+        trainer = TrustClipGRPOTrainer(model, reward_funcs=reward, args=TrustClipGRPOConfig(
+            output_dir="out", objective="kl3", objective_kwargs={"delta": 0.07}, num_iterations=2),
+            train_dataset=dataset)
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, *,
+                 objective: str | Objective | None = None, **kwargs: Any) -> None:
+        if args is None:
+            raise ValueError("TrustClipGRPOTrainer needs args=TrustClipGRPOConfig(...) (or GRPOConfig and objective=)")
+        if isinstance(args, TrustClipGRPOConfig):
+            spec = objective if objective is not None else args.objective
+            hparams = args.objective_kwargs if objective is None or isinstance(objective, str) else {}
+            self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
+            max_len = args.max_len_normalizer
+        else:  # a plain GRPOConfig: TRL's advantages, Dr.GRPO aggregation
+            if objective is None:
+                raise ValueError("with a plain GRPOConfig pass objective=NAME (or use TrustClipGRPOConfig)")
+            spec, hparams, max_len = objective, {}, None
+            self.aggregation, self.advantage_estimator = "dr_grpo", None
+        self.objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self.max_len_normalizer = max_len or self.max_completion_length
+        # Exact per-step token counts need each accumulation window inside one generation batch.
+        self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
+        self._slice_tokens: list[float] | None = None
+        self._buffer_seen = None
+        message = on_policy_warning(args, self.objective.name)
+        if message:
+            bar = "!" * 100
+            logger.warning("\n%s\ntrustclip WARNING: %s\n%s", bar, message, bar)
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ generation side
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        if self.advantage_estimator == "rloo" and self.num_generations > 1:
+            # R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R); TRL produced the latter (scale_rewards=none)
+            output["advantages"] = output["advantages"] * (self.num_generations / (self.num_generations - 1))
+        if "full_kl" in self.objective.requires and output.get("old_per_token_logps") is not None:
+            with torch.no_grad():
+                output["old_full_logps"] = self._full_vocab_logps(self.model, output)[2].detach()
+        return output
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # Reward functions with a `metrics()` method (trustclip.rewards.CorrectnessReward) report cumulative
+        # verifier counters; log their totals over processes (the first such function: they share a verifier).
+        counters = next((f.metrics() for f in self.reward_funcs if callable(getattr(f, "metrics", None))), None)
+        if counters:
+            mode = "train" if self.model.training else "eval"
+            keys = [k for k in (names.REWARD_TIMEOUTS, names.REWARD_ERRORS) if k in counters]
+            local = torch.tensor([counters[k] for k in keys], dtype=torch.float32, device=self.accelerator.device)
+            for key, total in zip(keys, self.accelerator.reduce(local, reduction="sum").tolist(), strict=True):
+                self._metrics[mode][key].append(total)
+        return rewards
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not self._buffer_seen:
+            self._buffer_seen = self._buffered_inputs
+            self.count_slice_tokens(self._buffered_inputs)
+        return inputs
+
+    def count_slice_tokens(self, slices: list[dict[str, Any]]) -> None:
+        """Record the valid-token count of each slice of a new generation batch, summed over processes (one
+        collective per generation); `token_mean` divides by the counts of its optimizer step's slices."""
+        counts = torch.stack([_loss_mask(b).sum() for b in slices]).float()
+        self._slice_tokens = self.accelerator.reduce(counts, reduction="sum").tolist()
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> torch.Tensor:
+        # Defined here (not inherited) so that libraries patching GRPOTrainer.compute_loss (e.g. Unsloth, whose
+        # version never calls _compute_loss) cannot silently bypass the objective.
+        if return_outputs:
+            raise ValueError("The GRPOTrainer does not support returning outputs")
+        return self._compute_loss(model, inputs)
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        mode = "train" if self.model.training else "eval"
+        mask = _loss_mask(inputs)
+        logps, entropies, aux_loss, extras = self._policy_forward(model, inputs)
+        has_tokens = bool(mask.any())
+        # A micro-batch with no valid token (e.g. all completions truncated and masked) still runs the same
+        # code and collectives, with one dummy token of weight 0, so the loss and gradient are exactly zero.
+        safe_mask = mask if has_tokens else _one_token_mask(mask)
+        weights, entropy_mask = self._token_weights(inputs, logps, entropies, mask)
+        if not has_tokens:
+            weights = torch.zeros_like(logps)
+        out, batch = compute_token_loss(
+            self.objective, logp=logps, old_logp=inputs.get("old_per_token_logps"), advantages=inputs["advantages"],
+            mask=safe_mask, token_weights=weights, **extras,
+        )
+        per_token_loss = out.loss
+        per_token_kl = None
+        if self.beta != 0.0:
+            per_token_kl = self._reference_kl(inputs, logps, batch)
+            per_token_loss = per_token_loss + self.beta * per_token_kl * batch.mask * (1.0 if has_tokens else 0.0)
+        loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=self.max_len_normalizer,
+                         **self._denominators(inputs, mode))
+        # Per-micro-batch policy loss before the accumulation / process split (TRL's `policy_loss`).
+        policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
+        self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl, policy_loss)
+        loss = loss + self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        return loss
+
+    def _policy_forward(self, model: Any, inputs: dict[str, Any]):
+        """(logps, entropies, aux_loss, extras) of the current policy on the completions."""
+        extras: dict[str, torch.Tensor] = {}
+        if "full_kl" in self.objective.requires:
+            logps, entropies, full = self._full_vocab_logps(model, inputs)
+            old_full = inputs.get("old_full_logps")
+            # KL(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
+            extras["full_kl"] = (
+                torch.zeros_like(logps) if old_full is None
+                else (old_full.exp() * (old_full - full)).sum(-1)
+            )
+            aux_loss = None
+        else:
+            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+                model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+                inputs["completion_ids"].size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
+                **{k: inputs.get(k) for k in _MULTIMODAL_KEYS},
+            )
+        if "entropy" in self.objective.requires:
+            extras["entropy"] = entropies.detach()
+        return logps, entropies, aux_loss, extras
+
+    def _full_vocab_logps(self, model: Any, inputs: dict[str, Any]):
+        """Log-probs, entropies and the full (B, T, V) log-softmax at the sampling temperature (truly_ppo only:
+        it materialises the logits, so keep micro-batches small)."""
+        completion_ids = inputs["completion_ids"]
+        n = completion_ids.size(1)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with self.accelerator.autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=n + 1).logits
+        full = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+        logps = full.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        entropies = -(full.exp() * full).sum(-1)
+        return logps, entropies, full
+
+    def _token_weights(self, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Product of TRL's per-token gates (entropy mask, off-policy sequence mask, vLLM IS weights) or None,
+        and the entropy mask alone (the entropy bonus acts on it, as in TRL)."""
+        weights = entropy_mask = None
+
+        def times(w: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+            x = x.to(logps.dtype).expand_as(logps)
+            return x if w is None else w * x
+
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(mask.dtype)
+            weights = times(weights, entropy_mask)
+        if self.off_policy_mask_threshold is not None:
+            old = inputs.get("old_per_token_logps")
+            old = logps.detach() if old is None else old
+            advantages = inputs["advantages"]
+            opsm = self.get_off_policy_mask(
+                advantages=advantages.unsqueeze(1) if advantages.dim() == 1 else advantages,
+                per_token_logps=logps, sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
+            )
+            weights = times(weights, opsm)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            weights = times(weights, inputs["importance_sampling_ratio"])
+        return weights, entropy_mask
+
+    def _reference_kl(self, inputs: dict[str, Any], logps: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
+        """k3 estimate of KL(pi || pi_ref) per token, as TRL (optionally IS-corrected)."""
+        delta = inputs["ref_per_token_logps"] - logps
+        kl = torch.exp(delta) - delta - 1
+        if self.args.use_bias_correction_kl:
+            kl = kl * batch.ratio
+        return torch.where(batch.mask > 0, kl, torch.zeros_like(kl))
+
+    def _accumulation(self, mode: str) -> int:
+        return self.current_gradient_accumulation_steps if mode == "train" else 1
+
+    def _denominators(self, inputs: dict[str, Any], mode: str) -> dict[str, float]:
+        """Global denominators of this micro-batch's optimizer step, per process (DDP averages over processes)."""
+        if self.aggregation != "token_mean":
+            return {"num_sequences": inputs["completion_ids"].size(0) * self._accumulation(mode)}
+        return {"num_tokens": max(self._window_tokens(inputs, mode), 1.0) / self.accelerator.num_processes}
+
+    def _window_tokens(self, inputs: dict[str, Any], mode: str) -> float:
+        """Valid tokens of the whole optimizer step, all processes."""
+        total = float(inputs["num_items_in_batch"])  # the whole generation batch, all processes
+        if mode != "train":
+            return total
+        ga, spg = self.current_gradient_accumulation_steps, self.args.steps_per_generation
+        if self._exact_window and self._slice_tokens is not None and ga == self.args.gradient_accumulation_steps:
+            start = (self._step // ga) * ga
+            return sum(self._slice_tokens[s % spg] for s in range(start, start + ga))
+        return total * ga / spg  # TRL's estimate when a window spans two generation batches
+
+    def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor | float:
+        """-coef * mean entropy over the tokens the loss acts on, with TRL's adaptive controller."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        mask = mask.to(entropies.dtype)
+        entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / self._accumulation(mode)
+        if self.use_adaptive_entropy:
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            if mode == "train":
+                self._update_adaptive_entropy(entropies, mask)
+        else:
+            coef = self.entropy_coef
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return -coef * entropy
+
+    def _update_adaptive_entropy(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world = (totals[0] / totals[1].clamp(min=1.0)).item()
+        step = self.args.entropy_coef_delta
+        if world <= self.args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+        self._last_world_entropy = world
+        self._entropy_window_stats = None
+
+    # ------------------------------------------------------------------ metrics
+    def _log_objective_metrics(self, mode: str, out: TokenLoss, batch: PolicyBatch, mask: torch.Tensor,
+                               entropies: torch.Tensor, per_token_kl: torch.Tensor | None,
+                               policy_loss: torch.Tensor) -> None:
+        """Token-weighted global means (two collectives): clip fractions, ratio, KL3, entropy, objective stats,
+        and the policy loss (mean over processes)."""
+        ratio = batch.ratio.detach()
+        series = {
+            "clip_frac_low": out.clipped_low,
+            "clip_frac_high": out.clipped_high,
+            "clip_frac": out.clipped_low | out.clipped_high,
+            "ratio_mean": ratio,
+            "kl3_mean": ratio - 1 - batch.log_ratio.detach(),
+            names.ENTROPY: entropies.detach(),
+        }
+        if per_token_kl is not None:
+            series[names.KL_REF] = per_token_kl.detach()
+        scalars = {names.POLICY_LOSS: policy_loss}
+        for key, value in out.stats.items():
+            (series if value.dim() == 2 else scalars)[key] = value
+        n_proc = self.accelerator.num_processes
+        local = [(x.to(mask.dtype) * mask).sum() for x in series.values()]
+        local += [s.detach().to(mask.dtype).reshape(()) / n_proc for s in scalars.values()] + [mask.sum()]
+        totals = self.accelerator.reduce(torch.stack(local), reduction="sum").tolist()
+        count = max(totals[-1], 1.0)
+        valid = mask > 0
+        extremes = torch.stack([
+            torch.where(valid, ratio, torch.full_like(ratio, -float("inf"))).max(),
+            -torch.where(valid, ratio, torch.full_like(ratio, float("inf"))).min(),
+        ])
+        ratio_max, neg_min = self.accelerator.gather(extremes).view(-1, 2).max(dim=0).values.tolist()
+        values = {key: totals[i] / count for i, key in enumerate(series)}
+        values |= {key: totals[len(series) + i] for i, key in enumerate(scalars)}
+        values |= {"ratio_max": ratio_max, "ratio_min": -neg_min}
+        for key, value in values.items():
+            if key in (names.ENTROPY, names.KL_REF, names.POLICY_LOSS):
+                self._metrics[mode][key].append(value)
+                continue
+            for name in names.logged_names(key, "trl"):
+                self._metrics[mode][name].append(value)
+
+
+_MULTIMODAL_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
+def _one_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    dummy = torch.zeros_like(mask)
+    dummy[0, 0] = 1
+    return dummy
