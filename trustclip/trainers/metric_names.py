@@ -17,10 +17,11 @@ TRL_NAMES: Mapping[str, str] = {
     "clip_frac_high": "clip_ratio/high_mean",
     "clip_frac": "clip_ratio/region_mean",
 }
-# trustclip key -> verl actor metric name with the same meaning.
+# trustclip key -> verl actor metric name with the same meaning. verl's `pg_clipfrac_lower` is the dual-clip
+# fraction (A < 0 and w > c), not low-side ratio clipping.
 VERL_NAMES: Mapping[str, str] = {
     "clip_frac": "actor/pg_clipfrac",
-    "clip_frac_low": "actor/pg_clipfrac_lower",
+    "dual_clip_frac": "actor/pg_clipfrac_lower",
 }
 
 # Trainer-level series (same names as TRL logs them), used by plots and summaries.
