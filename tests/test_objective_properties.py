@@ -12,7 +12,7 @@ import trustclip as tc
 from trustclip.objectives import AGGREGATIONS, REGISTRY, get_objective
 
 NAMES = [name for name in REGISTRY if name != "general"] + ["aspo_entropy", "general_kl3"]
-PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def build(name: str):
@@ -87,7 +87,7 @@ def test_appending_padding_changes_nothing(name, data, aggregation, pad, junk):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(data=batches())
 def test_all_zero_advantages_give_zero_gradient(name, data):
     logp, old, adv, mask, entropy, full_kl = data
@@ -95,7 +95,7 @@ def test_all_zero_advantages_give_zero_gradient(name, data):
     assert (grad == 0).all()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=batches(), splits=st.integers(1, 4), aggregation=st.sampled_from(AGGREGATIONS))
 def test_micro_batches_with_global_denominators_sum_to_the_big_batch(data, splits, aggregation):
     logp, old, adv, mask, entropy, full_kl = (x.to(torch.float64) if x.is_floating_point() else x for x in data)
