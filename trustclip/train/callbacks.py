@@ -73,7 +73,9 @@ class ProgressCallback(TrainerCallback):
             if isinstance(value, int | float) and math.isfinite(value):
                 self.window[key].append(float(value))
         step, total = state.global_step, state.max_steps
-        if (step % self.every and step != total) or step == self.last_printed:
+        # Logs may come every k steps: print at the first log at or after each multiple of `every`.
+        if step == self.last_printed or (step // self.every == (self.last_printed or 0) // self.every
+                                         and step != total):
             return
         self.last_printed = step
         done = max(step - self.start_step, 1)
