@@ -80,6 +80,61 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
             "peak_rss_mb": peak / 1024, "rss_before_mb": rss_before / 1024}
 
 
+def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats: int = 60) -> dict:
+    """Loss forward + backward of both trainers on one fixed batch (B=32, T=32, ratios != 1), alternated
+    call by call in one process, so machine-load drift cancels: the part of the step the trainers differ in."""
+    import copy
+
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trustclip.models import build_tiny_model, load_model_and_tokenizer
+    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+
+    model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
+    common = dict(per_device_train_batch_size=32, num_generations=8, max_completion_length=32, use_cpu=True,
+                  bf16=False, activation_checkpointing=False, gradient_checkpointing=None, report_to="none")
+    data = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 8)
+    trl = GRPOTrainer(copy.deepcopy(model), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                      args=GRPOConfig(output_dir="/tmp/trustclip-bench-micro", loss_type="dapo", epsilon=0.2,
+                                      epsilon_high=0.28, **common), train_dataset=data, processing_class=tokenizer)
+    kwargs = {"epsilon_low": 0.2, "epsilon_high": 0.28} if objective == "clip_higher" else {}
+    ours = TrustClipGRPOTrainer(
+        copy.deepcopy(model), reward_funcs=lambda completions, **_: [0.0] * len(completions), train_dataset=data,
+        args=TrustClipGRPOConfig(output_dir="/tmp/trustclip-bench-micro", objective=objective, objective_kwargs=kwargs,
+                                 aggregation=aggregation, num_iterations=2, **common), processing_class=tokenizer)
+    g = torch.Generator().manual_seed(0)
+    prompt = tokenizer(["Compute 12+35.\n"] * 32, return_tensors="pt", add_special_tokens=False)
+    completion_ids = torch.randint(5, 60, (32, 32), generator=g)
+    mask = (torch.arange(32)[None] < torch.randint(8, 33, (32, 1), generator=g)).long()
+    batch = {"prompt_ids": prompt["input_ids"], "prompt_mask": prompt["attention_mask"],
+             "completion_ids": completion_ids, "completion_mask": mask, "advantages": torch.randn(32, generator=g),
+             "num_items_in_batch": mask.sum()}
+    with torch.no_grad():
+        old, _, _ = trl._get_per_token_logps_and_entropies(
+            trl.model, torch.cat([batch["prompt_ids"], completion_ids], 1),
+            torch.cat([batch["prompt_mask"], mask], 1), 32)
+    batch["old_per_token_logps"] = (old + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=0.0)
+    times: dict[str, list[float]] = {"trl": [], "trustclip": []}
+    for trainer in (trl, ours):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+    ours.count_slice_tokens([batch])
+    for i in range(repeats + 5):
+        for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
+            start = time.perf_counter()
+            trainer.compute_loss(trainer.model, batch).backward()
+            trainer.model.zero_grad(set_to_none=True)
+            if i >= 5:  # warm-up
+                times[name].append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(times["trustclip"], times["trl"], strict=True)]
+    return {"trl_ms": 1000 * statistics.median(times["trl"]), "ours_ms": 1000 * statistics.median(times["trustclip"]),
+            "ratio": statistics.median(ratios)}
+
+
 def run_worker(kind: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, HERE, "--worker", kind, "--steps", str(args.steps), "--objective", args.objective,
            "--aggregation", args.aggregation, "--threads", str(args.threads)]
@@ -97,8 +152,11 @@ def main() -> None:
     parser.add_argument("--objective", default="clip_higher")
     parser.add_argument("--aggregation", default="token_mean")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--worker", choices=["trl", "trustclip"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["trl", "trustclip", "micro"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "micro":
+        print(json.dumps(loss_microbenchmark(args.objective, args.aggregation, args.threads)))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.objective, args.aggregation, args.threads)))
         return
@@ -119,6 +177,11 @@ def main() -> None:
     t, o = med["trl"], med["trustclip"]
     print(f"{'ratio ours / TRL':<36}{o['step_s'] / t['step_s']:>16.3f}{o['loss_s'] / t['loss_s']:>19.3f}"
           f"{o['peak_rss_mb'] / t['peak_rss_mb']:>15.3f}   (targets: time <= 1.02, memory <= 1.00)")
+    spread = [b["step_s"] / a["step_s"] for a, b in zip(results["trl"], results["trustclip"], strict=True)]
+    print(f"per-round step-time ratios: {', '.join(f'{r:.3f}' for r in spread)} (run-to-run noise on a shared machine)")
+    micro = run_worker("micro", args)
+    print(f"loss fwd+bwd alone, same batch, alternated call by call in one process: TRL {micro['trl_ms']:.1f} ms, "
+          f"ours {micro['ours_ms']:.1f} ms, median ratio {micro['ratio']:.3f}")
 
 
 if __name__ == "__main__":

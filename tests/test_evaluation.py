@@ -136,6 +136,18 @@ def test_evaluate_scores_scripted_completions_exactly():
     assert result.curves["easy"]["pass"][0] == pytest.approx(3 / 8)
 
 
+def test_evaluate_without_answer_fallback_requires_a_boxed_answer():
+    # what an RL policy that learned to drop the box would write: correct last number, no \\boxed{}
+    table = {"1+1": ["1+1=2. \\box}", "\\boxed{2}", "2", "1+1=2."], "2+2": ["2+2=4."] * 4, "1/2": ["1/2"] * 4}
+    lenient = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False), model_name="s",
+                       generate_fn=scripted_generate(table))
+    strict = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False, answer_fallback=False), model_name="s",
+                      generate_fn=scripted_generate(table))
+    assert lenient.samples["easy"][0]["scores"] == [1.0, 1.0, 1.0, 1.0]
+    assert strict.samples["easy"][0]["scores"] == [0.0, 1.0, 0.0, 0.0]
+    assert strict.metrics["hard"]["mean@4"] == 0.0 < lenient.metrics["hard"]["mean@4"]
+
+
 def test_evaluate_in_memory_model_is_seeded_and_restores_state(tiny_model_and_tokenizer):
     import torch
 

@@ -28,6 +28,18 @@ def test_defaults_are_the_embedded_cpu_run():
     assert config.rl.num_iterations >= 2  # off-policy updates, so the constraint acts
 
 
+def test_reward_and_eval_share_the_answer_format():
+    from trustclip.train.stages import eval_config, reward_function
+
+    unboxed = ["1+1=2. \\box}"]  # right last number, format dropped
+    config = load_config()
+    assert eval_config(config).answer_fallback is False  # boxed answer required by default
+    assert reward_function(config)(unboxed, answer=["2"]) == [0.0]
+    config = load_config(None, ["data.answer_fallback=true"])
+    assert eval_config(config).answer_fallback is True
+    assert reward_function(config)(unboxed, answer=["2"]) == [1.0]
+
+
 def test_overrides_and_clear_errors(tmp_path):
     config = load_config(None, ["rl.learning_rate=1e-5", "rl.objective_kwargs={delta: 0.1}", "data.eval=[a=x.jsonl]",
                                 "stages=rl,eval"])

@@ -113,6 +113,21 @@ def test_bad_configuration_names_the_value(tmp_path):
         make_config(tmp_path, objective="atr2")
 
 
+def test_truncated_completions_get_the_truncated_reward(tiny, tmp_path):
+    """A completion cut without EOS scores `truncated_reward` whatever its text; finished ones keep their score."""
+    tokenizer = tiny[1]
+    eos = tokenizer.eos_token_id
+    ids = [[5, 6, eos], [5, 6, 7], [eos], [7, 8, 9]]  # finished, cut, finished (empty answer), cut
+    for value, expected in ((0.0, [1.0, 0.0, 1.0, 0.0]), (-0.5, [1.0, -0.5, 1.0, -0.5]), (None, [1.0] * 4)):
+        trainer = make_trainer(tiny, tmp_path / str(value), reward=lambda completions, **_: [1.0] * len(completions),
+                               truncated_reward=value)
+        trainer.model.train()
+        rewards = trainer._calculate_rewards([{"prompt": "p"}] * 4, ["p"] * 4, ["x"] * 4, ids)
+        assert rewards[:, 0].tolist() == expected
+    with pytest.raises(ValueError, match="truncated_reward=nan"):
+        make_config(tmp_path, truncated_reward=float("nan"))
+
+
 # ------------------------------------------------------------------ equivalence with TRL's built-in losses
 def _batch(tokenizer, seed=0, b=8, t=6):
     """A fixed batch with a perturbed old policy (so ratios differ from 1), ragged lengths, mixed advantages."""

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto")
     parser.add_argument("--device", default=None, help="torch device for HF generation (default cuda if present)")
     parser.add_argument("--reward-timeout", type=float, default=5.0, help="hard timeout per verification (s)")
+    parser.add_argument("--no-answer-fallback", dest="answer_fallback", action="store_false",
+                        help="require a \\boxed{} answer (default: fall back to the last `Answer:` line / number)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_style=args.prompt_style,
             backend=args.backend,
             reward_timeout=args.reward_timeout,
+            answer_fallback=args.answer_fallback,
             show_progress=not args.no_progress,
         )
         benchmarks = load_benchmark_specs(

@@ -43,6 +43,7 @@ class EvalConfig:
     prompt_style: str = "auto"  # see trustclip.data.templates
     backend: str = "auto"  # "auto" | "hf" | "vllm"
     reward_timeout: float = 5.0
+    answer_fallback: bool = True  # no \boxed{}: score the last `Answer:` line / last number (see trustclip.rewards)
     answer_key: str = "answer"
     show_progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -216,7 +217,8 @@ def evaluate(
             completions = generate_hf(model, tokenizer, prompts, config, desc=name)
         flat = [c for group in completions for c in group]
         answers = [str(r[config.answer_key]) for r, group in zip(rows, completions, strict=True) for _ in group]
-        scores = score_completions(flat, answers, timeout=config.reward_timeout, verifier=verifier)
+        scores = score_completions(flat, answers, timeout=config.reward_timeout, fallback=config.answer_fallback,
+                                   verifier=verifier)
         correct, pos = [], 0
         for group in completions:
             correct.append(scores[pos : pos + len(group)])

@@ -29,8 +29,8 @@ class ModelArgs:
     name_or_path: str = _f("builtin:tiny", "Hub id, local checkpoint, or `builtin:tiny` (cached tiny Qwen3).")
     dtype: str = _f("auto", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
     trust_remote_code: bool = _f(False, "Passed to from_pretrained.")
-    tiny: dict[str, Any] = _f({}, "Shape of builtin:tiny (build_tiny_model kwargs, e.g. {num_layers: 2}); "
-                              "each shape is built once and cached.")
+    tiny: dict[str, Any] = _f({"num_layers": 2}, "Shape of builtin:tiny (build_tiny_model kwargs, e.g. "
+                              "{hidden_size: 128}); each shape is built once and cached.")
     lora: bool = _f(False, "Train a LoRA adapter (peft) instead of all weights, in SFT and RL.")
     lora_r: int = _f(32, "LoRA rank.")
     lora_alpha: int = _f(64, "LoRA alpha.")
@@ -56,16 +56,19 @@ class DataArgs:
     train_limit: int | None = _f(None, "Keep only the first N training prompts.")
     problem_key: str = _f("problem", "Field holding the problem text.")
     answer_key: str = _f("answer", "Field holding the reference answer.")
+    answer_fallback: bool = _f(False, "Score a completion without a \\boxed{} answer by its last `Answer:` line or "
+                               "last number (RL reward and eval). Off: the boxed answer the prompt asks for is "
+                               "required, so RL cannot learn to drop the format and be scored on a bare number.")
     eval: list[str] = _f(["builtin"], "Held-out benchmarks: NAME=SOURCE specs, or `builtin` (the synthetic splits).")
     eval_split: str = _f("train", "Split of hub benchmark datasets.")
     eval_limit: int | None = _f(None, "Keep only the first N problems of each benchmark.")
     prompt_style: str = _f("auto", "Prompt template: auto, math, tiny, raw, or a template containing {problem}.")
     system_prompt: str | None = _f(None, "Optional system prompt.")
     seed: int = _f(0, "Seed of the built-in synthetic task.")
-    builtin_train_levels: list[int] = _f([1, 2, 3, 4], "Levels of the built-in task's train split (1-4).")
-    builtin_n_train: int = _f(2000, "Problems in the built-in train split.")
+    builtin_train_levels: list[int] = _f([2, 3, 4], "Levels of the built-in task's train split (1-4).")
+    builtin_n_train: int = _f(400, "Problems in the built-in train split.")
     builtin_n_eval: int = _f(64, "Problems in each built-in held-out split.")
-    builtin_max_operand: int | None = _f(None, "Largest operand of the built-in task (default: the task's, 99).")
+    builtin_max_operand: int | None = _f(9, "Largest operand of the built-in task (null: the task's own, 99).")
 
     def __post_init__(self) -> None:
         _positive(self, "data", ("builtin_n_train", "builtin_n_eval"))
@@ -86,23 +89,19 @@ class SFTArgs:
     problem_key: str | None = _f(None, "Problem field of the SFT rows (default: data.problem_key).")
     answer_key: str | None = _f(None, "Answer field of the SFT rows (default: data.answer_key).")
     limit: int | None = _f(None, "Keep only the first N SFT rows.")
-    max_steps: int = _f(120, "SFT optimizer steps (stop early: the point is the format, not the skill).")
-    learning_rate: float = _f(2e-3, "SFT learning rate.")
+    max_steps: int = _f(200, "SFT optimizer steps (stop early: the point is the format, not the skill).")
+    learning_rate: float = _f(3e-3, "SFT learning rate.")
     lr_scheduler_type: str = _f("constant", "SFT learning-rate schedule.")
     warmup_steps: int = _f(0, "SFT warm-up steps.")
     weight_decay: float = _f(0.0, "SFT weight decay.")
     per_device_train_batch_size: int = _f(64, "SFT micro-batch size.")
     gradient_accumulation_steps: int = _f(1, "SFT gradient accumulation.")
     max_length: int | None = _f(256, "Truncate SFT examples to this many tokens.")
-    direct_answer_fraction: float = _f(0.0, "Fraction of SFT targets reduced to the bare boxed answer (no worked "
-                                       "steps), chosen by row id: the SFT model then mixes both styles.")
 
     def __post_init__(self) -> None:
         _positive(self, "sft", ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"))
         _check(self.learning_rate > 0, "sft.learning_rate", self.learning_rate, "> 0")
         _check(self.limit is None or self.limit >= 1, "sft.limit", self.limit, ">= 1 (or null)")
-        _check(0 <= self.direct_answer_fraction <= 1, "sft.direct_answer_fraction", self.direct_answer_fraction,
-               "in [0, 1]")
 
 
 @dataclass
@@ -112,26 +111,30 @@ class RLArgs:
     aggregation: str = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
                           "seq_mean_token_mean or seq_mean_token_sum.")
     advantage_estimator: str = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
-    max_steps: int = _f(250, "RL optimizer steps.")
+    max_steps: int = _f(800, "RL optimizer steps.")
     learning_rate: float = _f(2e-4, "RL learning rate.")
     lr_scheduler_type: str = _f("constant", "RL learning-rate schedule.")
     warmup_steps: int = _f(0, "RL warm-up steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
-    per_device_train_batch_size: int = _f(32, "Completions per device per micro-batch (prompts x G).")
+    per_device_train_batch_size: int = _f(64, "Completions per device per micro-batch (prompts x G).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
-    num_generations: int = _f(8, "Group size G (completions per prompt).")
-    num_iterations: int = _f(2, "Updates per generation batch (mu); >= 2 makes the ratio (and clipping) act.")
+    num_generations: int = _f(4, "Group size G (completions per prompt).")
+    num_iterations: int = _f(4, "Updates per generation batch (mu); >= 2 makes the ratio (and clipping) act.")
     steps_per_generation: int | None = _f(None, "Optimizer micro-steps per generation batch (TRL); "
                                           "> gradient_accumulation_steps also makes updates off-policy.")
-    temperature: float = _f(1.0, "Sampling temperature during RL.")
+    temperature: float = _f(0.7, "Sampling temperature during RL.")
     top_p: float = _f(1.0, "Sampling top-p during RL.")
     top_k: int = _f(0, "Sampling top-k during RL (0 = off).")
-    max_completion_length: int = _f(40, "Generation budget per completion (tokens).")
+    max_completion_length: int = _f(32, "Generation budget per completion (tokens).")
     beta: float = _f(0.0, "KL-to-reference coefficient (0: no reference model).")
-    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss.")
+    mask_truncated_completions: bool = _f(False, "Exclude completions that hit max_completion_length from the loss "
+                                          "(DAPO's overlong filtering).")
+    truncated_reward: float | None = _f(0.0, "Reward of a completion cut at max_completion_length (no EOS): 0 makes "
+                                        "an unfinished answer a wrong one, so the policy keeps stopping after its "
+                                        "answer; null scores its text as it is.")
     reward_timeout: float = _f(5.0, "Hard per-answer timeout of math-verify (seconds).")
-    save_steps: int = _f(50, "Checkpoint every N steps (for --resume).")
+    save_steps: int = _f(200, "Checkpoint every N steps (for --resume).")
     save_total_limit: int | None = _f(2, "Keep at most N checkpoints.")
     logging_steps: int = _f(1, "Log metrics every N steps.")
     eval_every: int = _f(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
@@ -158,8 +161,8 @@ class EvalArgs:
     n_samples: int | None = _f(None, "Samples per problem (>= k); default k.")
     temperature: float = _f(0.3, "Evaluation sampling temperature (paper: 0.3).")
     top_p: float = _f(0.95, "Evaluation top-p (paper: 0.95).")
-    max_new_tokens: int = _f(48, "Evaluation generation budget.")
-    batch_size: int = _f(256, "Sequences per generate call.")
+    max_new_tokens: int = _f(32, "Evaluation generation budget.")
+    batch_size: int = _f(512, "Sequences per generate call.")
     seed: int = _f(0, "Evaluation sampling seed (same before and after).")
     backend: str = _f("auto", "auto, hf or vllm.")
 

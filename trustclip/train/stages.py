@@ -115,11 +115,7 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
     from trustclip.data import sft_examples
 
     s = config.sft
-    rows = sft_rows(config)
-    examples = sft_examples(rows, tokenizer, style=config.data.prompt_style)
-    for row, example in zip(rows, examples, strict=True):
-        if _direct(row["id"], s.direct_answer_fraction):
-            example["completion"] = f"\\boxed{{{row['answer']}}}"
+    examples = sft_examples(sft_rows(config), tokenizer, style=config.data.prompt_style)
     folder = out / "sft"
     args = SFTConfig(**_common_args(config, folder, s), max_length=s.max_length, save_steps=max(1, s.max_steps // 2),
                      save_total_limit=1, logging_steps=max(1, s.max_steps // 30), completion_only_loss=True)
@@ -131,13 +127,6 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
     if config.model.lora:
         model = model.merge_and_unload()  # RL puts a fresh adapter on the SFT-merged weights (paper's setup)
     return model
-
-
-def _direct(row_id: Any, fraction: float) -> bool:
-    """Deterministic per-row coin with P(True) = fraction (stable across runs and processes)."""
-    import zlib
-
-    return zlib.crc32(str(row_id).encode()) / 2**32 < fraction
 
 
 # ------------------------------------------------------------------ RL
@@ -153,8 +142,8 @@ def grpo_config(config: TrainConfig, folder: Path) -> Any:
         aggregation=r.aggregation, advantage_estimator=r.advantage_estimator, max_grad_norm=r.max_grad_norm,
         num_generations=r.num_generations, num_iterations=r.num_iterations, temperature=r.temperature,
         top_p=r.top_p, top_k=r.top_k, max_completion_length=r.max_completion_length, beta=r.beta,
-        mask_truncated_completions=r.mask_truncated_completions, save_steps=r.save_steps,
-        save_total_limit=r.save_total_limit, logging_steps=r.logging_steps, **extra,
+        mask_truncated_completions=r.mask_truncated_completions, truncated_reward=r.truncated_reward,
+        save_steps=r.save_steps, save_total_limit=r.save_total_limit, logging_steps=r.logging_steps, **extra,
     )
 
 
@@ -170,15 +159,21 @@ def rl_dataset(config: TrainConfig, tokenizer: Any) -> Any:
     return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
 
+def reward_function(config: TrainConfig) -> Any:
+    """The binary verified reward, scoring answers exactly as the evaluation does (`data.answer_fallback`)."""
+    from trustclip.rewards import CorrectnessReward
+
+    return CorrectnessReward(timeout=config.rl.reward_timeout, fallback=config.data.answer_fallback)
+
+
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
            periodic_eval: Callable[[Any, int], dict[str, float]] | None = None) -> Any:
     """RLVR with the configured objective; returns the trainer (its model is the trained policy)."""
-    from trustclip.rewards import CorrectnessReward
     from trustclip.trainers import TrustClipGRPOTrainer
 
     folder = out / "rl"
     trainer = TrustClipGRPOTrainer(
-        model, reward_funcs=CorrectnessReward(timeout=config.rl.reward_timeout), args=grpo_config(config, folder),
+        model, reward_funcs=reward_function(config), args=grpo_config(config, folder),
         train_dataset=rl_dataset(config, tokenizer), processing_class=tokenizer, peft_config=lora_config(config),
     )
     _quiet_trainer(trainer, "rl", config, config.rl.max_steps, out, printer)
@@ -198,7 +193,8 @@ def eval_config(config: TrainConfig) -> Any:
     e = config.eval
     return EvalConfig(k=e.k, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
                       max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=e.seed,
-                      prompt_style=config.data.prompt_style, backend=e.backend, show_progress=not config.quiet)
+                      prompt_style=config.data.prompt_style, backend=e.backend, show_progress=not config.quiet,
+                      answer_fallback=config.data.answer_fallback)
 
 
 def run_eval(model: Any, tokenizer: Any, benchmarks: dict, config: TrainConfig, step: int | None = None) -> Any:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,11 @@ class TrustClipGRPOConfig(GRPOConfig):
             (leave-one-out baseline). Overrides `scale_rewards`.
         max_len_normalizer (`int`, *optional*):
             L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
+        truncated_reward (`float`, *optional*):
+            Reward of a completion that hit `max_completion_length` without an EOS (every reward function's
+            score of it is replaced). `0.0` makes an unfinished answer a wrong one, so the policy cannot drift
+            into never stopping after its answer; unlike `mask_truncated_completions` (DAPO's overlong
+            filtering) such completions still get a (negative) gradient. Default: score them as they are.
     """
 
     objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
@@ -82,6 +88,9 @@ class TrustClipGRPOConfig(GRPOConfig):
     )
     max_len_normalizer: int | None = field(
         default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
+    )
+    truncated_reward: float | None = field(
+        default=None, metadata={"help": "Reward of completions cut at max_completion_length (default: as scored)."}
     )
 
     def __post_init__(self) -> None:
@@ -102,6 +111,8 @@ class TrustClipGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"advantage_estimator={self.advantage_estimator!r} is invalid; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
             )
+        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
+            raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
         if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
             raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
         if self.importance_sampling_level != "token":
@@ -178,6 +189,11 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.args.truncated_reward is not None:
+            finished = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+            truncated = torch.tensor([len(ids) > 0 and ids[-1] not in finished for ids in completion_ids_list],
+                                     device=rewards.device)
+            rewards[truncated] = self.args.truncated_reward
         # Reward functions with a `metrics()` method (trustclip.rewards.CorrectnessReward) report cumulative
         # verifier counters; log their totals over processes (the first such function: they share a verifier).
         counters = next((f.metrics() for f in self.reward_funcs if callable(getattr(f, "metrics", None))), None)
