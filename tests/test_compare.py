@@ -24,6 +24,7 @@ from trustclip.compare.io import read_jsonl, write_json_atomic
 from trustclip.compare.plan import parse_hparams, parse_objectives, parse_seeds, parse_sweep
 from trustclip.compare.runner import ChangedRunError, execute
 from trustclip.compare.stats import ahead, change_sentence, rank_sentence, stat
+from trustclip.train.config import load_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = ("report.md", "results.json", "results.csv", "curves.csv", "compare.json", "compare_log.jsonl")
@@ -89,7 +90,8 @@ def test_periodic_evaluation_is_on_unless_turned_off(tmp_path):
     def every(**kwargs) -> int:
         return CompareSettings(output_dir=tmp_path, objectives=["clip"], **kwargs).base_config()["rl"]["eval_every"]
 
-    assert every() == 250 // 5  # the embedded default has none: compare adds 5 evaluation points
+    default_steps = load_config().rl.max_steps
+    assert every() == default_steps // 5  # the embedded default has none: compare adds 5 evaluation points
     assert every(overrides=["rl.max_steps=20"]) == 4
     assert every(overrides=["rl.eval_every=0"]) == 0 and every(eval_every=0) == 0
     assert every(eval_every=7, overrides=["rl.eval_every=3"]) == 7

@@ -193,7 +193,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             finished = {*self.eos_token_ids, self._tokenizer.pad_token_id}
             truncated = torch.tensor([len(ids) > 0 and ids[-1] not in finished for ids in completion_ids_list],
                                      device=rewards.device)
-            rewards[truncated] = self.args.truncated_reward
+            rewards[self.accelerator.gather(truncated)] = self.args.truncated_reward  # TRL returns all processes'
         # Reward functions with a `metrics()` method (trustclip.rewards.CorrectnessReward) report cumulative
         # verifier counters; log their totals over processes (the first such function: they share a verifier).
         counters = next((f.metrics() for f in self.reward_funcs if callable(getattr(f, "metrics", None))), None)
