@@ -24,6 +24,23 @@ import time
 HERE = os.path.abspath(__file__)
 
 
+def build_trainer(kind: str, model, tokenizer, dataset, reward, objective: str, aggregation: str, **common):
+    """TRL's GRPOTrainer with its built-in `dapo` loss (kind "trl"), or ours with `objective` (the same loss for
+    clip_higher + token_mean); both with Dr.GRPO advantages (R - group mean)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+
+    if kind == "trl":
+        args = GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="none", **common)
+        return GRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
+    kwargs = {"epsilon_low": 0.2, "epsilon_high": 0.28} if objective == "clip_higher" else {}
+    args = TrustClipGRPOConfig(objective=objective, objective_kwargs=kwargs, aggregation=aggregation,
+                               advantage_estimator="dr_grpo", **common)
+    return TrustClipGRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset,
+                                processing_class=tokenizer)
+
+
 def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int) -> dict:
     import resource
 
@@ -31,11 +48,9 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
 
     torch.set_num_threads(threads)
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     from trustclip.data import build_prompt_rows, make_synthetic_splits
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     rows = build_prompt_rows(make_synthetic_splits(0, n_train=512, n_eval=1)["train"], tokenizer)
@@ -48,15 +63,7 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
     def reward(completions, **_):  # dense and cheap, so the loss code is a visible share of the step
         return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
-    if kind == "trl":
-        args = GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="none", **common)
-        trainer = GRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
-    else:
-        kwargs = {"epsilon_low": 0.2, "epsilon_high": 0.28} if objective == "clip_higher" else {}
-        args = TrustClipGRPOConfig(objective=objective, objective_kwargs=kwargs, aggregation=aggregation,
-                                   advantage_estimator="dr_grpo", **common)
-        trainer = TrustClipGRPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset,
-                                       processing_class=tokenizer)
+    trainer = build_trainer(kind, model, tokenizer, dataset, reward, objective, aggregation, **common)
     loss_times: list[float] = []
     compute_loss = trainer.compute_loss
 
@@ -89,23 +96,20 @@ def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats:
 
     torch.set_num_threads(threads)
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
 
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
-    common = dict(per_device_train_batch_size=32, num_generations=8, max_completion_length=32, use_cpu=True,
-                  bf16=False, activation_checkpointing=False, gradient_checkpointing=None, report_to="none")
+    common = dict(output_dir="/tmp/trustclip-bench-micro", per_device_train_batch_size=32, num_generations=8,
+                  max_completion_length=32, num_iterations=2, use_cpu=True, bf16=False,
+                  activation_checkpointing=False, gradient_checkpointing=None, report_to="none")
     data = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 8)
-    trl = GRPOTrainer(copy.deepcopy(model), reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                      args=GRPOConfig(output_dir="/tmp/trustclip-bench-micro", loss_type="dapo", epsilon=0.2,
-                                      epsilon_high=0.28, **common), train_dataset=data, processing_class=tokenizer)
-    kwargs = {"epsilon_low": 0.2, "epsilon_high": 0.28} if objective == "clip_higher" else {}
-    ours = TrustClipGRPOTrainer(
-        copy.deepcopy(model), reward_funcs=lambda completions, **_: [0.0] * len(completions), train_dataset=data,
-        args=TrustClipGRPOConfig(output_dir="/tmp/trustclip-bench-micro", objective=objective, objective_kwargs=kwargs,
-                                 aggregation=aggregation, num_iterations=2, **common), processing_class=tokenizer)
+
+    def reward(completions, **_):
+        return [0.0] * len(completions)
+
+    trl, ours = (build_trainer(kind, copy.deepcopy(model), tokenizer, data, reward, objective, aggregation, **common)
+                 for kind in ("trl", "trustclip"))
     g = torch.Generator().manual_seed(0)
     prompt = tokenizer(["Compute 12+35.\n"] * 32, return_tensors="pt", add_special_tokens=False)
     completion_ids = torch.randint(5, 60, (32, 32), generator=g)

@@ -20,10 +20,10 @@ import pytest
 
 from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
-from trustclip.compare.io import read_jsonl, write_json_atomic
 from trustclip.compare.plan import parse_hparams, parse_objectives, parse_seeds, parse_sweep
 from trustclip.compare.runner import ChangedRunError, execute
 from trustclip.compare.stats import ahead, change_sentence, rank_sentence, stat
+from trustclip.files import read_jsonl, write_json_atomic
 from trustclip.train.config import load_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

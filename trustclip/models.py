@@ -168,6 +168,12 @@ def _is_complete_checkpoint(path: Path) -> bool:
     )
 
 
+def is_saved_model(path: str | os.PathLike) -> bool:
+    """A folder written by `save_pretrained`: a full model (config.json) or a LoRA adapter."""
+    path = Path(path)
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     """`AutoTokenizer.from_pretrained` with left padding and a guaranteed pad token."""
     from transformers import AutoTokenizer

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from trustclip.compare.aggregate import GroupResult, RunDataError, RunRecord, aggregate, load_run
-from trustclip.compare.io import read_json, write_json_atomic
 from trustclip.compare.plan import (
     RunSpec,
     Sweep,
@@ -31,6 +30,7 @@ from trustclip.compare.plan import (
 )
 from trustclip.compare.report import write_report
 from trustclip.compare.runner import ExecutionResult, check_changed, execute, is_finished
+from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"

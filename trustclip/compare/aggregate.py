@@ -23,20 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from trustclip.compare.io import read_json, read_jsonl
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.stats import Stat, stat
+from trustclip.files import read_json, read_jsonl
+from trustclip.train.plots import default_window as plot_window
+from trustclip.train.plots import series_from_rows, smooth
+from trustclip.trainers import metric_names as names
 
 AVERAGE = "average"
 EVAL_PREFIX = "eval/"
 # Training series of the paper's Figure 2 (names as TRL / trustclip log them), with their labels.
 SERIES = {
-    "reward": "reward (train)",
-    "entropy": "entropy (nats/token)",
-    "completions/mean_length": "completion length (tokens)",
-    "objective/clip_frac_low": "clip fraction low",
-    "objective/clip_frac_high": "clip fraction high",
-    "objective/clip_frac": "clip fraction (any)",
+    names.REWARD: "reward (train)",
+    names.ENTROPY: "entropy (nats/token)",
+    names.COMPLETION_LENGTH: "completion length (tokens)",
+    names.CLIP_LOW: "clip fraction low",
+    names.CLIP_HIGH: "clip fraction high",
+    names.CLIP_ANY: "clip fraction (any)",
 }
 
 
@@ -87,19 +90,6 @@ def _rl_rows(run_dir: Path) -> list[dict[str, Any]]:
     for row in rows:  # a step logged twice (resumed run) keeps its last values
         by_step.setdefault(int(row["step"]), {}).update(row)
     return [by_step[s] for s in sorted(by_step)]
-
-
-def _series(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key in ("step", "time", "stage") or key.startswith(EVAL_PREFIX):
-                continue
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                steps, values = out.setdefault(key, ([], []))
-                steps.append(int(row["step"]))
-                values.append(float(value))
-    return {k: (np.asarray(s, dtype=int), np.asarray(v, dtype=float)) for k, (s, v) in out.items()}
 
 
 def _history(rows: Sequence[dict[str, Any]], metrics: Sequence[str]) -> dict[int, dict[str, dict[str, float]]]:
@@ -154,7 +144,7 @@ def load_run(spec: RunSpec) -> RunRecord:
         spec=spec, k=k, final=final, best=best,
         before=({s: {m: float(v[m]) for m in metrics} for s, v in before["metrics"].items()} if before else None),
         history=dict(sorted(history.items())), curves=_with_average_curve(after.get("curves") or {}),
-        series=_series(rows),
+        series=series_from_rows(rows),
         seconds={str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
         rl_steps=rl_steps if isinstance(rl_steps, int) else None,
     )
@@ -266,16 +256,6 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupResult]:
 
 
 # ----------------------------------------------------------------------------------------------- curves
-def smooth(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing moving average whose window shrinks at the start (as `trustclip.train.plots.smooth`)."""
-    if window <= 1 or values.size == 0:
-        return values
-    cumsum = np.cumsum(np.insert(values, 0, 0.0))
-    idx = np.arange(1, values.size + 1)
-    lo = np.maximum(idx - window, 0)
-    return (cumsum[idx] - cumsum[lo]) / (idx - lo)
-
-
 def _band(per_seed: Sequence[tuple[np.ndarray, np.ndarray]]) -> Band:
     """Mean and std over seeds at the x values every seed has."""
     common = per_seed[0][0]
@@ -317,6 +297,5 @@ def at_k_band(group: GroupResult, split: str, kind: str) -> Band | None:
 
 
 def default_window(groups: Sequence[GroupResult]) -> int:
-    """A tenth of the longest run (the paper smooths 1000 steps over 100)."""
-    lengths = [len(s[0]) for g in groups for r in g.runs for s in r.series.values()]
-    return max(1, max(lengths, default=1) // 10)
+    """The training plots' window for the longest run."""
+    return plot_window(max((len(s[0]) for g in groups for r in g.runs for s in r.series.values()), default=1))

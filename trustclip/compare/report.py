@@ -25,9 +25,10 @@ from trustclip.compare.aggregate import (
     series_band,
     splits_of,
 )
-from trustclip.compare.io import write_json_atomic, write_text_atomic
 from trustclip.compare.plan import RunSpec, format_value
 from trustclip.compare.stats import Stat, change_sentence, fmt_pct, fmt_pm, rank_sentence, stat
+from trustclip.files import read_json, write_json_atomic, write_text_atomic
+from trustclip.trainers import metric_names as names
 
 FIGURES = "figures"
 
@@ -69,8 +70,8 @@ def table3(groups: Sequence[GroupResult], splits: Sequence[str], metric: str,
     return "\n".join(lines)
 
 
-DYNAMICS = ("reward (last 10%)", "entropy (last 10%)", "completions/mean_length (last 10%)",
-            "objective/clip_frac_low (mean)", "objective/clip_frac_high (mean)")
+DYNAMICS = (f"{names.REWARD} (last 10%)", f"{names.ENTROPY} (last 10%)", f"{names.COMPLETION_LENGTH} (last 10%)",
+            f"{names.CLIP_LOW} (mean)", f"{names.CLIP_HIGH} (mean)")
 
 
 def dynamics_table(groups: Sequence[GroupResult]) -> str:
@@ -131,7 +132,8 @@ def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequ
         out.append(rank_sentence(name, {g.group: g.final[avg][metric] for g in groups}))
     for g in groups:
         out.append(change_sentence(g.group, g.gain[avg][metrics[0]], f"{_title(avg)} {_metric_title(metrics[0])}"))
-    entropy = {g.group: g.dynamics["entropy (last 10%)"] for g in groups if "entropy (last 10%)" in g.dynamics}
+    key = f"{names.ENTROPY} (last 10%)"
+    entropy = {g.group: g.dynamics[key] for g in groups if key in g.dynamics}
     if entropy:
         out.append(rank_sentence("Policy entropy over the last 10% of RL steps", entropy, scale=1.0, unit=" nats",
                                  digits=3))
@@ -213,7 +215,7 @@ def make_figures(groups: Sequence[GroupResult], splits: Sequence[str], metrics: 
         return {g.group: b for g in groups if (b := fn(g, *args)) is not None and b.x.size}
 
     training = [panel("training_curves", label, "RL step", label, bands(series_band, key, window))
-                for key, label in SERIES.items() if key != "objective/clip_frac"]
+                for key, label in SERIES.items() if key != names.CLIP_ANY]
     training = [p for p in training if p["lines"]]
     if training:
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
@@ -263,12 +265,12 @@ def _sweep_panels(groups: Sequence[GroupResult], avg: str, metrics: Sequence[str
 
 
 # -------------------------------------------------------------------------------------------- writers
-def _stat_rows(section: str, g: GroupResult, table: dict[str, dict[str, Stat]]) -> list[dict[str, Any]]:
+def _stat_rows(section: str, group: str, table: dict[str, dict[str, Stat]]) -> list[dict[str, Any]]:
     rows = []
     for split, metrics in table.items():
         for metric, st in metrics.items():
             for name in ("mean", "std", "n", "min", "max"):
-                rows.append({"section": section, "group": g.group, "seed": "", "split": split, "metric": metric,
+                rows.append({"section": section, "group": group, "seed": "", "split": split, "metric": metric,
                              "statistic": name, "value": getattr(st, name)})
     return rows
 
@@ -278,9 +280,9 @@ def csv_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for g in groups:
         for section in ("final", "best", "before", "gain"):
-            rows += _stat_rows(section, g, getattr(g, section))
-        rows += _stat_rows("dynamics", g, {"train": g.dynamics})
-        rows += _stat_rows("seconds", g, {"run": {"total": g.seconds}})
+            rows += _stat_rows(section, g.group, getattr(g, section))
+        rows += _stat_rows("dynamics", g.group, {"train": g.dynamics})
+        rows += _stat_rows("seconds", g.group, {"run": {"total": g.seconds}})
         for r in g.runs:
             for section in ("final", "best", "before"):
                 for split, metrics in (getattr(r, section) or {}).items():
@@ -290,9 +292,7 @@ def csv_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
     for split in (groups[0].final if groups else {}):
         for metric in groups[0].final[split]:
             for name, diff in paired_differences(groups, split, metric).items():
-                for stat_name in ("mean", "std", "n", "min", "max"):
-                    rows.append({"section": "paired_difference", "group": name, "seed": "", "split": split,
-                                 "metric": metric, "statistic": stat_name, "value": getattr(diff, stat_name)})
+                rows += _stat_rows("paired_difference", name, {split: {metric: diff}})
     base = {"objective": "", "sweep_key": "", "sweep_value": ""}
     info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
                       "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
@@ -349,8 +349,6 @@ def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord]) -> li
 
 def sft_summary(sft_runs: Sequence[RunSpec]) -> dict[str, Any]:
     """Seconds of the shared SFT runs (from their summary.json), for the report."""
-    from trustclip.compare.io import read_json
-
     seconds = []
     for spec in sft_runs:
         summary = read_json(spec.run_dir / "summary.json")

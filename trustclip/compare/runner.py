@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trustclip.compare.io import append_jsonl, read_json, read_jsonl, write_json_atomic
 from trustclip.compare.plan import SPEC_FILE, RunSpec
-from trustclip.compare.worker import COMPLETE_FILE, LOCK_FILE, PARENT_ENV, SUMMARY_FILE, try_lock
+from trustclip.compare.worker import COMPLETE_FILE, LOCK_FILE, PARENT_ENV, SUMMARY_FILE
+from trustclip.files import append_jsonl, read_json, read_jsonl, try_lock, write_json_atomic
 
 LOG_FILE = "compare_log.jsonl"
 WORKER_LOG = "worker.log"
@@ -206,7 +206,7 @@ class Executor:
 
     # --------------------------------------------------------------------------------------------- one run
     def _start(self, spec: RunSpec) -> None:
-        lock = try_lock(spec.run_dir)
+        lock = try_lock(spec.run_dir / LOCK_FILE)
         if lock is None:
             self.result.failed[spec.run_id] = "locked by another live process (another compare running?)"
             self.say(f"! {spec.run_id}: {self.result.failed[spec.run_id]}")
@@ -345,21 +345,10 @@ def _run_position(run_dir: Path) -> str:
 
 def acquire_compare_lock(root: Path) -> Any:
     """Exclusive lock on ROOT/.compare.lock for the compare's lifetime; raises if another compare holds it."""
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    handle = (root / COMPARE_LOCK).open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        handle.close()
-        raise RuntimeError(f"another compare (pid {holder}) is running in {root}; wait for it or stop it") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
+    handle = try_lock(root / COMPARE_LOCK)
+    if handle is None:
+        holder = (root / COMPARE_LOCK).read_text().strip() or "?"
+        raise RuntimeError(f"another compare (pid {holder}) is running in {root}; wait for it or stop it")
     return handle
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import fcntl
 import importlib
 import os
 import signal
@@ -29,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trustclip.compare.io import read_json, write_json_atomic
 from trustclip.compare.plan import SPEC_FILE
+from trustclip.files import read_json, try_lock, write_json_atomic
 
 COMPLETE_FILE = "run_complete.json"
 SUMMARY_FILE = "summary.json"
@@ -49,22 +48,6 @@ def load_pipeline(target: str = DEFAULT_PIPELINE) -> Callable[[Any], Any]:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"pipeline {target!r}: {module_name} has no attribute {attr!r}") from None
-
-
-def try_lock(run_dir: Path) -> Any | None:
-    """Open and exclusively lock RUN_DIR/.lock without waiting; the open file (keep it!) or None if held."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = (run_dir / LOCK_FILE).open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
 
 
 def _watch_parent(parent: int) -> None:
@@ -95,6 +78,7 @@ def _set_threads(threads: int) -> None:
 
 def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     """TrainConfig of the run, writing into `run_dir`."""
+    from trustclip.models import is_saved_model
     from trustclip.train.config import TrainConfig, from_dict
 
     data = copy.deepcopy(spec["config"])
@@ -102,7 +86,7 @@ def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     data["resume"] = resume
     if spec.get("start_model"):  # RL from the shared SFT run's model
         start = (run_dir / spec["start_model"]).resolve()
-        if not (start / "config.json").is_file() and not (start / "adapter_config.json").is_file():
+        if not is_saved_model(start):
             raise FileNotFoundError(f"the SFT model this run starts from is missing: {start}")
         data["model"]["name_or_path"] = str(start)
     return from_dict(TrainConfig, data)
@@ -115,7 +99,7 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, pipe
     if not isinstance(spec, dict) or "config" not in spec:
         print(f"worker: {run_dir / SPEC_FILE} is missing or unreadable", file=sys.stderr)
         return 2
-    lock = try_lock(run_dir)
+    lock = try_lock(run_dir / LOCK_FILE)
     if lock is None:
         print(f"worker: {run_dir} is locked by another process", file=sys.stderr)
         return 3

@@ -37,7 +37,7 @@ try:  # verl logs plugin import errors only at DEBUG: make them visible first
     from trustclip.objectives.batch import PolicyBatch
     from trustclip.objectives.loss import compute_token_loss
     from trustclip.objectives.registry import ALIASES, TokenLoss
-    from trustclip.trainers.metric_names import objective_name
+    from trustclip.trainers.metric_names import VERL_NAMES, objective_name
 except Exception as _err:
     _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
     raise
@@ -202,11 +202,7 @@ def verl_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
     metrics = policy_metrics(out, batch)
     mask = batch.mask
     ppo_kl = float((-batch.log_ratio.detach() * mask).sum() / mask.sum())
-    verl = {
-        "actor/pg_clipfrac": metrics["clip_frac"],
-        "actor/ppo_kl": ppo_kl,
-        "actor/pg_clipfrac_lower": metrics.get("dual_clip_frac", 0.0),
-    }
+    verl = {name: metrics.get(key, 0.0) for key, name in VERL_NAMES.items()} | {"actor/ppo_kl": ppo_kl}
     return verl | {"actor/" + objective_name(key): value for key, value in metrics.items()}
 
 

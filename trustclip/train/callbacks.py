@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -12,6 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trustclip.files import append_jsonl, read_jsonl, write_jsonl_atomic
 from trustclip.trainers import metric_names as names
 
 
@@ -27,9 +27,8 @@ class JsonlMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero and state.global_step > 0 and self.path.exists():
-            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and not self._after(json.loads(line), state.global_step)]
-            self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            rows = read_jsonl(self.path)  # a line cut short by the kill is dropped too
+            write_jsonl_atomic(self.path, [row for row in rows if not self._after(row, state.global_step)])
 
     def _after(self, record: dict, step: int) -> bool:
         return record.get("stage") == self.stage and record.get("step", 0) > step
@@ -37,17 +36,8 @@ class JsonlMetricsCallback(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or not logs:
             return
-        record = {"stage": self.stage, "step": state.global_step, "time": round(time.time(), 3)}
-        record |= {k: _clean(v) for k, v in logs.items()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN / inf
-    return value
+        append_jsonl(self.path, {"stage": self.stage, "step": state.global_step, "time": round(time.time(), 3),
+                                 **logs})  # NaN / inf are stored as null
 
 
 class ProgressCallback(TrainerCallback):

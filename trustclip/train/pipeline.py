@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from trustclip.models import is_saved_model
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
 from trustclip.train.stages import load_policy, run_eval, run_rl, run_sft
@@ -60,8 +62,11 @@ class Run:
     def finish(self, stage: str, seconds: float, **info: Any) -> None:
         self.state[stage] = {"done": True, "seconds": round(seconds, 2), **info}
         self.ran[stage] = seconds
+        self.save_state()
+
+    def save_state(self) -> None:
         if self.main:
-            (self.out / "state.json").write_text(json.dumps(self.state, indent=2) + "\n")
+            write_json_atomic(self.out / "state.json", self.state)  # a kill never leaves half a state file
 
 
 def prepare_output_dir(run: Run) -> None:
@@ -82,7 +87,7 @@ def prepare_output_dir(run: Run) -> None:
         import yaml
 
         (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        (out / "state.json").write_text(json.dumps(run.state, indent=2) + "\n")
+    run.save_state()
     run.dist.wait_for_everyone()
 
 
@@ -91,14 +96,9 @@ def _remove_stage_files(out: Path, stage: str) -> None:
         shutil.rmtree(out / stage, ignore_errors=True)
         metrics = out / "metrics.jsonl"
         if metrics.is_file():
-            keep = [line for line in metrics.read_text().splitlines() if json.loads(line).get("stage") != stage]
-            metrics.write_text("".join(line + "\n" for line in keep))
+            write_jsonl_atomic(metrics, [row for row in read_jsonl(metrics) if row.get("stage") != stage])
     else:
         (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
-
-
-def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
 def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     prepare_output_dir(run)
     stages = config.stages
     sft_final, rl_final = run.out / "sft" / "final", run.out / "rl" / "final"
-    start = sft_final if run.done("sft") and _is_model_dir(sft_final) else config.model.name_or_path
+    start = sft_final if run.done("sft") and is_saved_model(sft_final) else config.model.name_or_path
     run.print(f"trustclip train: stages {', '.join(stages)} -> {run.out}")
     model, tokenizer = load_policy(start, config)
 
@@ -137,7 +137,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
             tokenizer.save_pretrained(str(rl_final))
         run.dist.wait_for_everyone()
         run.finish("rl", time.perf_counter() - t, model=str(rl_final), steps=trainer.state.global_step)
-    elif "eval" in stages and run.done("rl") and not run.done("eval_after") and _is_model_dir(rl_final):
+    elif "eval" in stages and run.done("rl") and not run.done("eval_after") and is_saved_model(rl_final):
         model, tokenizer = load_policy(rl_final, config)
 
     if "eval" in stages and run.done("rl") and not run.done("eval_after"):
@@ -147,7 +147,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     if run.main:
         if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
             _plots(run)
-        (run.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json_atomic(run.out / "summary.json", summary)
         print_table(summary, run.print)
     run.dist.wait_for_everyone()
     return summary
@@ -170,8 +170,7 @@ def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict)
         key = f"mean@{run.config.eval.k}"
         run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
                   + f" ({time.perf_counter() - t:.0f}s)")
-        (run.out / "eval").mkdir(parents=True, exist_ok=True)
-        (run.out / "eval" / f"{when}.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        write_json_atomic(run.out / "eval" / f"{when}.json", result.to_dict())
     run.dist.wait_for_everyone()
     run.finish(f"eval_{when}", time.perf_counter() - t)
 

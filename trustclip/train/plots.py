@@ -3,11 +3,14 @@ clip fractions against the optimizer step, read from `metrics.jsonl`, raw (faint
 
 from __future__ import annotations
 
-import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from trustclip.files import read_jsonl
 from trustclip.trainers import metric_names as names
 
 # file stem -> (title, [(metric, label)])
@@ -22,17 +25,25 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 def read_series(path: str | Path, stage: str = "rl") -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{metric: (steps, values)} of one stage's numeric metrics in a metrics.jsonl file."""
+    return series_from_rows(row for row in read_jsonl(path) if row.get("stage") == stage)
+
+
+def series_from_rows(rows: Iterable[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{metric: (steps, values)} of the numeric, finite metrics of logged rows, by step (a step logged twice,
+    e.g. by a resumed run, keeps its last value)."""
     series: dict[str, dict[int, float]] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if record.get("stage") != stage:
-            continue
-        for key, value in record.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and key not in ("step", "time"):
-                series.setdefault(key, {})[int(record["step"])] = float(value)  # a resumed step overwrites
-    return {k: (np.array(sorted(v)), np.array([v[s] for s in sorted(v)])) for k, v in series.items()}
+    for row in rows:
+        for key, value in row.items():
+            if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+                    and key not in ("step", "time")):
+                series.setdefault(key, {})[int(row["step"])] = float(value)
+    return {k: (np.array(sorted(v), dtype=int), np.array([v[s] for s in sorted(v)], dtype=float))
+            for k, v in series.items()}
+
+
+def default_window(n_steps: int) -> int:
+    """Smoothing window: a tenth of the run (the paper smooths 1000 steps over 100)."""
+    return max(1, n_steps // 10)
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -55,8 +66,7 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, *, title
     series = read_series(metrics_path)
     if not series:
         raise ValueError(f"{metrics_path}: no RL metrics to plot")
-    n_steps = max(len(s[0]) for s in series.values())
-    window = window or max(1, n_steps // 10)
+    window = window or default_window(max(len(s[0]) for s in series.values()))
     out_dir = Path(out_dir)
     written = []
     with figure_context():

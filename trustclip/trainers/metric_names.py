@@ -2,7 +2,7 @@
 
 `trustclip.compute_policy_loss` returns plain keys (`clip_frac_low`, `ratio_max`, ...). Trainers log each
 under `objective/<key>`, and additionally under the name the host framework already uses for the same
-quantity, so existing dashboards keep working. verl integrations use `VERL_NAMES` the same way.
+quantity, so existing dashboards keep working; the verl plugin maps its metrics with `VERL_NAMES`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ VERL_NAMES: Mapping[str, str] = {
 
 # Trainer-level series (same names as TRL logs them), used by plots and summaries.
 REWARD = "reward"
-REWARD_STD = "reward_std"
-FRAC_ZERO_STD = "frac_reward_zero_std"
 ENTROPY = "entropy"
 COMPLETION_LENGTH = "completions/mean_length"
 POLICY_LOSS = "policy_loss"
@@ -44,14 +42,6 @@ def objective_name(key: str) -> str:
     return PREFIX + key
 
 
-def logged_names(key: str, framework: str = "trl") -> list[str]:
-    """Every name a metric of `compute_policy_loss` is logged under for `framework` ('trl' or 'verl')."""
-    table = {"trl": TRL_NAMES, "verl": VERL_NAMES}.get(framework)
-    if table is None:
-        raise ValueError(f"unknown framework {framework!r}; valid: trl, verl")
-    return [objective_name(key)] + ([table[key]] if key in table else [])
-
-
-def rename(metrics: Mapping[str, float], framework: str = "trl") -> dict[str, float]:
-    """Metrics of `compute_policy_loss` under all their logged names."""
-    return {name: value for key, value in metrics.items() for name in logged_names(key, framework)}
+def logged_names(key: str) -> list[str]:
+    """Every name the TRL trainer logs a metric of `compute_policy_loss` under."""
+    return [objective_name(key)] + ([TRL_NAMES[key]] if key in TRL_NAMES else [])

@@ -419,7 +419,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             if key in (names.ENTROPY, names.KL_REF, names.POLICY_LOSS):
                 self._metrics[mode][key].append(value)
                 continue
-            for name in names.logged_names(key, "trl"):
+            for name in names.logged_names(key):
                 self._metrics[mode][name].append(value)
 
 

@@ -1,4 +1,6 @@
-"""Small file helpers shared by the compare modules: atomic JSON writes, tolerant JSON/JSONL reads."""
+"""File helpers shared by the training pipeline and `trustclip compare`: atomic writes (a killed process
+leaves the old file or the complete new one, never half of one), tolerant JSON / JSONL reads, and a
+non-blocking lock file."""
 
 from __future__ import annotations
 
@@ -6,20 +8,19 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 
-def write_json_atomic(path: str | Path, data: Any) -> Path:
-    """Write JSON to a temporary file in the same folder, fsync it, then rename over `path`: readers see
-    either the old file or the complete new one, never a half-written file."""
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to a temporary file in the same folder, fsync it, then rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(_clean(data), fh, indent=2, sort_keys=False, default=str)
-            fh.write("\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -29,19 +30,27 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
     return path
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Atomic text write (see `write_json_atomic`)."""
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    """Atomic JSON write (indented; NaN / inf stored as null)."""
+    return write_text_atomic(path, json.dumps(_clean(data), indent=2, default=str) + "\n")
+
+
+def write_jsonl_atomic(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path:
+    """Atomic rewrite of a JSONL file (e.g. after dropping some rows)."""
+    return write_text_atomic(path, "".join(_json_line(row) for row in rows))
+
+
+def append_jsonl(path: str | Path, row: dict[str, Any]) -> None:
+    """Append one JSON line (flushed) to `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(_json_line(row))
+        fh.flush()
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    return json.dumps(_clean(row), default=str) + "\n"
 
 
 def _clean(value: Any) -> Any:
@@ -64,7 +73,8 @@ def read_json(path: str | Path) -> Any | None:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file; a last line cut short by a kill is skipped, any other bad line raises."""
+    """Rows of a JSONL file ([] when missing); a last line cut short by a kill is skipped, any other bad line
+    raises."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -84,10 +94,21 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def append_jsonl(path: str | Path, row: dict[str, Any]) -> None:
-    """Append one JSON line (flushed) to `path`."""
+def try_lock(path: str | Path) -> Any | None:
+    """Open `path` and lock it exclusively without waiting; returns the open file (keep it: closing it, or the
+    process dying, releases the lock) with this process's pid written in it, or None if another holds it."""
+    import fcntl
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write(json.dumps(_clean(row), default=str) + "\n")
-        fh.flush()
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
