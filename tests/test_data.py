@@ -276,6 +276,18 @@ def test_synthetic_bad_arguments_and_exhaustion(monkeypatch):
     assert make_problem(LEVELS[1], random.Random(0))["level"].startswith("ArithmeticLevel")
 
 
+def test_synthetic_level_that_runs_out_drops_out_and_the_others_fill_in():
+    # Two-operand sums of 0..9 give only 100 distinct problems; the three-operand level fills the rest.
+    small, big = ArithmeticLevel(2, "+", lo=0, hi=9), ArithmeticLevel(3, "+-", lo=0, hi=9)
+    rows = make_synthetic_splits(n_train=400, n_eval=10, train_levels=(small, big),
+                                 eval_splits={"held": (small,)})["train"]
+    counts = {lv: sum(r["level"] == repr(lv) for r in rows) for lv in (small, big)}
+    assert counts[small] == 90 and counts[big] == 310  # every small problem not held out, then only big ones
+    assert len({r["problem"] for r in rows}) == 400
+    # Before a level runs out the round robin is exact.
+    assert [r["level"] for r in rows[:6]] == [repr(small), repr(big)] * 3
+
+
 def test_sft_examples_use_the_tiny_template(tiny_model_and_tokenizer):
     _, tokenizer = tiny_model_and_tokenizer
     rows = make_synthetic_splits(seed=0, n_train=5, n_eval=1)["train"]

@@ -20,7 +20,8 @@ Splits from `make_synthetic_splits` (the analogues of the paper's benchmarks, ea
 - `amc_like`: levels 1-2; `aime24_like`: level 3; `aime25_like`: level 4.
 
 Held-out splits are disjoint from `train` and from each other (exact problem text), and everything is
-a pure function of the seed.
+a pure function of the seed. A split takes its levels in turn; a level that runs out of distinct problems
+(1,000 repeats in a row) drops out and the other levels fill the rest.
 """
 
 from __future__ import annotations
@@ -99,19 +100,22 @@ def _draw_split(
     levels: Sequence[int | ArithmeticLevel],
     seed: int,
     exclude: set[str],
-    max_tries_factor: int = 50,
+    max_misses: int = 1000,
 ) -> list[dict]:
     # A string seed gives an independent, reproducible stream per split (hash-seed independent).
     rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
     rows: list[dict] = []
     seen = set(exclude)
-    for _ in range(max(n, 1) * max_tries_factor):
-        if len(rows) == n:
-            break
-        level = levels[len(rows) % len(levels)]  # round robin keeps the level mix exact
+    active, misses = list(levels), 0
+    while len(rows) < n and active:
+        level = active[len(rows) % len(active)]  # round robin keeps the level mix exact ...
         row = make_problem(level, rng)
         if row["problem"] in seen:
+            misses += 1
+            if misses == max_misses:  # ... until a level runs out of new problems: the others fill in
+                active, misses = [lv for lv in active if lv != level], 0
             continue
+        misses = 0
         seen.add(row["problem"])
         rows.append({"id": f"{name}-{len(rows)}", **row})
     if len(rows) < n:
