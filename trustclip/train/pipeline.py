@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic
+from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
@@ -83,10 +83,9 @@ def prepare_output_dir(run: Run) -> None:
             if run.main:
                 _remove_stage_files(out, stage)
     if run.main:
-        out.mkdir(parents=True, exist_ok=True)
         import yaml
 
-        (out / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     run.save_state()
     run.dist.wait_for_everyone()
 
