@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -273,7 +274,9 @@ def test_synthetic_bad_arguments_and_exhaustion(monkeypatch):
         make_synthetic_splits(n_train=0, n_eval=5, eval_splits={"small": (99,)})
     import random
 
-    assert make_problem(LEVELS[1], random.Random(0))["level"].startswith("ArithmeticLevel")
+    assert make_problem(LEVELS[1], random.Random(0))["level"] == 1
+    assert make_problem(dataclasses.replace(LEVELS[3], hi=9), random.Random(0))["level"] == 3  # keeps its number
+    assert make_problem(easy, random.Random(0))["level"] == repr(easy)  # custom: recorded by its repr
 
 
 def test_synthetic_level_that_runs_out_drops_out_and_the_others_fill_in():

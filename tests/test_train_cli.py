@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,20 @@ def test_defaults_are_the_embedded_cpu_run():
     assert (config.rl.objective, config.rl.objective_kwargs) == ("kl3", {"delta": 0.07})
     assert config.stages == ["sft", "rl", "eval"]
     assert config.rl.num_iterations >= 2  # off-policy updates, so the constraint acts
+
+
+def test_builtin_rows_follow_the_data_options():
+    from trustclip.train.data import load_benchmarks, load_rows
+
+    config = load_config(None, ["data.builtin_n_train=50", "data.builtin_train_levels=[3,4]"])
+    train = load_rows("builtin:train", config, split="train")
+    assert len(train) == 50 and {r["level"] for r in train} == {3, 4}  # level numbers, also with max_operand set
+    numbers = [int(n) for r in train for n in re.findall(r"\d+", r["problem"])]
+    assert max(numbers) == 9  # data.builtin_max_operand (multipliers are one digit anyway)
+    held_out = load_benchmarks(config)
+    assert {name: {r["level"] for r in rows} for name, rows in held_out.items()} == {
+        "amc_like": {1, 2}, "aime24_like": {3}, "aime25_like": {4}}
+    assert not {r["problem"] for r in train} & {r["problem"] for rows in held_out.values() for r in rows}
 
 
 def test_reward_and_eval_share_the_answer_format():

@@ -35,12 +35,17 @@ PROBLEM_FORMAT = "Compute {expr}."
 
 @dataclass(frozen=True)
 class ArithmeticLevel:
-    """One difficulty level: `n_operands` numbers in `[lo, hi]` joined by operators from `ops`."""
+    """One difficulty level: `n_operands` numbers in `[lo, hi]` joined by operators from `ops`.
+
+    `number` is what rows record as their `level` (the built-in levels carry theirs, also after
+    `dataclasses.replace(LEVELS[k], hi=...)`); a custom level without one is recorded by its repr.
+    """
 
     n_operands: int
     ops: str
     lo: int = 0
     hi: int = 99
+    number: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_operands < 2:
@@ -52,10 +57,10 @@ class ArithmeticLevel:
 
 
 LEVELS: dict[int, ArithmeticLevel] = {
-    1: ArithmeticLevel(2, "+"),
-    2: ArithmeticLevel(2, "+-"),
-    3: ArithmeticLevel(3, "+-"),
-    4: ArithmeticLevel(3, "+-*"),
+    1: ArithmeticLevel(2, "+", number=1),
+    2: ArithmeticLevel(2, "+-", number=2),
+    3: ArithmeticLevel(3, "+-", number=3),
+    4: ArithmeticLevel(3, "+-*", number=4),
 }
 DEFAULT_TRAIN_LEVELS: tuple[int, ...] = (1, 2, 3, 4)
 DEFAULT_EVAL_SPLITS: dict[str, tuple[int, ...]] = {
@@ -90,7 +95,7 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
         "problem": PROBLEM_FORMAT.format(expr=expr),
         "answer": str(acc),
         "solution": " ".join(steps) + f" \\boxed{{{acc}}}",
-        "level": level if isinstance(level, int) else repr(spec),
+        "level": spec.number if spec.number is not None else repr(spec),
     }
 
 
