@@ -111,16 +111,17 @@ class RLArgs:
     aggregation: str = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
                           "seq_mean_token_mean or seq_mean_token_sum.")
     advantage_estimator: str = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
-    max_steps: int = _f(800, "RL optimizer steps.")
-    learning_rate: float = _f(2e-4, "RL learning rate.")
+    max_steps: int = _f(150, "RL optimizer steps.")
+    learning_rate: float = _f(1e-4, "RL learning rate.")
     lr_scheduler_type: str = _f("constant", "RL learning-rate schedule.")
     warmup_steps: int = _f(0, "RL warm-up steps.")
     weight_decay: float = _f(0.0, "AdamW weight decay.")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.")
-    per_device_train_batch_size: int = _f(64, "Completions per device per micro-batch (prompts x G).")
+    per_device_train_batch_size: int = _f(256, "Completions per device per micro-batch (prompts x G); large, because "
+                                           "a binary reward carries one bit per completion.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
     num_generations: int = _f(4, "Group size G (completions per prompt).")
-    num_iterations: int = _f(4, "Updates per generation batch (mu); >= 2 makes the ratio (and clipping) act.")
+    num_iterations: int = _f(2, "Updates per generation batch (mu); >= 2 makes the ratio (and clipping) act.")
     steps_per_generation: int | None = _f(None, "Optimizer micro-steps per generation batch (TRL); "
                                           "> gradient_accumulation_steps also makes updates off-policy.")
     temperature: float = _f(0.7, "Sampling temperature during RL.")
@@ -134,7 +135,7 @@ class RLArgs:
                                         "an unfinished answer a wrong one, so the policy keeps stopping after its "
                                         "answer; null scores its text as it is.")
     reward_timeout: float = _f(5.0, "Hard per-answer timeout of math-verify (seconds).")
-    save_steps: int = _f(200, "Checkpoint every N steps (for --resume).")
+    save_steps: int = _f(50, "Checkpoint every N steps (for --resume).")
     save_total_limit: int | None = _f(2, "Keep at most N checkpoints.")
     logging_steps: int = _f(1, "Log metrics every N steps.")
     eval_every: int = _f(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
