@@ -108,6 +108,29 @@ def test_shared_sft_follows_options_that_change_sft(tmp_path):
     assert [r.depends_on for r in steps if r.kind == "rl"] == sfts
 
 
+def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
+    """A release that changes the RL / evaluation defaults must not orphan the SFT runs of a comparison."""
+    import dataclasses
+
+    import trustclip.train.config as config_module
+    from trustclip.compare.worker import build_config
+
+    sft = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]
+    assert sft.kind == "sft" and sft.config["rl"] == {} and sft.config["eval"] == {}
+    built = build_config(sft.to_dict(), tmp_path / "sft_run", resume=False)  # empty sections: the defaults
+    assert built.rl == config_module.RLArgs() and built.eval == config_module.EvalArgs()
+    assert built.stages == ["sft"]
+
+    def with_default(cls: type, name: str, value: object) -> type:
+        return dataclasses.make_dataclass(cls.__name__, [(name, type(value), dataclasses.field(default=value))],
+                                          bases=(cls,))
+
+    monkeypatch.setattr(config_module, "RLArgs", with_default(config_module.RLArgs, "max_steps", 999))
+    monkeypatch.setattr(config_module, "EvalArgs", with_default(config_module.EvalArgs, "k", 3))
+    again = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]
+    assert again.fingerprint() == sft.fingerprint()
+
+
 def test_sweep_applies_to_objectives_that_have_the_parameter(tmp_path):
     runs = plan_runs(["clip", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.03,0.1"),
                      hparams=parse_hparams(["clip.epsilon=0.3"], ["clip", "atr"]), share_sft=False)

@@ -300,16 +300,14 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
 
 
 def _sft_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The SFT-only config of a run: its RL and evaluation sections (unused by SFT) reset to defaults, so
-    that runs differing only there share one SFT run."""
+    """The SFT-only config of a run: its RL and evaluation sections (unused by SFT) emptied, so that runs
+    differing only there share one SFT run, and a release that changes the RL or evaluation defaults
+    keeps the SFT runs of an existing comparison (an empty section means the defaults)."""
     import copy
-    import dataclasses
-
-    from trustclip.train.config import EvalArgs, RLArgs
 
     data = copy.deepcopy(config)
     data["stages"] = ["sft"]
-    data["rl"], data["eval"] = dataclasses.asdict(RLArgs()), dataclasses.asdict(EvalArgs())
+    data["rl"], data["eval"] = {}, {}
     return data
 
 
