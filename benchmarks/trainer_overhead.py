@@ -126,7 +126,7 @@ def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats:
     for trainer in (trl, ours):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
-    ours.count_slice_tokens([batch])
+    ours.count_slices([batch])
     for i in range(repeats + 5):
         for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
             start = time.perf_counter()

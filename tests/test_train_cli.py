@@ -88,7 +88,7 @@ def test_recipes_load_with_the_papers_settings(recipe):
         5e-6, 1e-3, 8, 4)
     assert (r.num_generations, r.temperature, r.top_p, r.beta) == (8, 1.0, 1.0, 0.0)
     assert (r.max_steps, r.eval_every) == (1000, 50)
-    assert (r.aggregation, r.advantage_estimator) == ("dr_grpo", "dr_grpo")
+    assert (r.aggregation, r.advantage_estimator, r.skip_zero_advantage) == ("dr_grpo", "dr_grpo", False)
     assert (config.eval.k, config.eval.temperature, config.eval.top_p) == (8, 0.3, 0.95)
     assert len(config.data.eval) == 3
 
@@ -234,11 +234,13 @@ state = PartialState(cpu=True)
 rank, world = state.process_index, state.num_processes
 assert world == 2, world
 model, tok = load_model_and_tokenizer(model_path)
-for aggregation in ("dr_grpo", "token_mean", "seq_mean_token_mean"):
+# skip: rank 0 keeps 3 rows of its 4, rank 1 keeps 1; the gradient is still that of the 4 kept rows in one batch
+for aggregation, skip in [(a, False) for a in ("dr_grpo", "token_mean", "seq_mean_token_mean")] + [
+        (a, True) for a in ("dr_grpo", "token_mean", "seq_mean_token_mean")]:
     args = TrustClipGRPOConfig(output_dir=out + "/grad", per_device_train_batch_size=4, num_generations=4,
                                max_completion_length=6, use_cpu=True, report_to="none", num_iterations=2,
                                objective="kl3", objective_kwargs={"delta": 0.02}, aggregation=aggregation,
-                               activation_checkpointing=False, gradient_checkpointing=None)
+                               activation_checkpointing=False, gradient_checkpointing=None, skip_zero_advantage=skip)
     trainer = TrustClipGRPOTrainer(model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
                                    processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 8))
     g = torch.Generator().manual_seed(0)  # the same global batch of 8 on both ranks
@@ -252,26 +254,33 @@ for aggregation in ("dr_grpo", "token_mean", "seq_mean_token_mean"):
     with torch.no_grad():
         old, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, 6)
     batch["old_per_token_logps"] = (old + 0.3 * torch.randn(old.shape, generator=g)).clamp(max=0.0)
-    # reference: the whole batch in one process, the pure objective
+    keep = [0, 2, 3, 6] if skip else list(range(8))
+    if skip:
+        batch["advantages"][[1, 4, 5, 7]] = 0.0
+    # reference: the whole batch (its kept rows) in one process, the pure objective
     model.zero_grad()
     logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, 6)
-    ref, _ = compute_policy_loss(get_objective("kl3", delta=0.02), logp=logps, old_logp=batch["old_per_token_logps"],
-                                 advantages=batch["advantages"], mask=mask, aggregation=aggregation, max_len=6)
+    ref, _ = compute_policy_loss(get_objective("kl3", delta=0.02), logp=logps[keep],
+                                 old_logp=batch["old_per_token_logps"][keep], advantages=batch["advantages"][keep],
+                                 mask=mask[keep], aggregation=aggregation, max_len=6)
     ref.backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
     # this rank's half through the trainer, gradients averaged over processes as DDP does
     half = {k: (v[rank * 4:(rank + 1) * 4] if v.dim() > 0 else v) for k, v in batch.items()}
+    if skip:
+        half = trainer.drop_zero_advantage(half)
+        assert half["completion_ids"].size(0) == (3 if rank == 0 else 1)
     model.train(); model.zero_grad()
     trainer.current_gradient_accumulation_steps, trainer._step = 1, 0
-    trainer.count_slice_tokens([half])
+    trainer.count_slices([half])
     trainer.compute_loss(model, half).backward()
     got = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
     torch.distributed.all_reduce(got)
     got /= world
     err = (got - expected).abs().max().item()
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7), (aggregation, err)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-7), (aggregation, skip, err)
     if rank == 0:
-        print(f"GRAD_MATCH {aggregation} {err:.2e}", flush=True)
+        print(f"{'SKIP_' if skip else 'GRAD_'}MATCH {aggregation} {err:.2e}", flush=True)
 summary = run_pipeline(load_config(None, overrides), printer=lambda s: None)
 if rank == 0:
     print("PIPELINE_OK", summary["rl_steps"], flush=True)
@@ -280,7 +289,8 @@ if rank == 0:
 
 def test_two_processes_gloo(tiny_model_path, tmp_path):
     """Two CPU processes (gloo): the DDP-averaged gradient of two half batches equals the one-process gradient of
-    the whole batch, and the RL stage runs a few steps. accelerate 1.x spawns several CPU processes only through
+    the whole batch (also when skip_zero_advantage leaves the processes different numbers of rows), and the RL
+    stage runs a few steps. accelerate 1.x spawns several CPU processes only through
     torchrun (`--multi_gpu`) or MPI (`--cpu --mpirun_hostfile`); `--cpu` alone starts one process."""
     pytest.importorskip("accelerate")
     script = tmp_path / "two_procs.py"
@@ -295,6 +305,7 @@ def test_two_processes_gloo(tiny_model_path, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for aggregation in ("dr_grpo", "token_mean", "seq_mean_token_mean"):
         assert f"GRAD_MATCH {aggregation}" in proc.stdout
+        assert f"SKIP_MATCH {aggregation}" in proc.stdout
     assert "PIPELINE_OK 2" in proc.stdout
     state = json.loads((out / "state.json").read_text())
     assert state["rl"]["steps"] == 2

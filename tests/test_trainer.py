@@ -111,6 +111,9 @@ def test_bad_configuration_names_the_value(tmp_path):
         make_config(tmp_path, aggregation="mean")
     with pytest.raises(ValueError, match="unknown objective 'atr2'"):
         make_config(tmp_path, objective="atr2")
+    with pytest.raises(ValueError, match="steps_per_generation=3 x num_iterations=1"):
+        make_config(tmp_path, skip_zero_advantage=True, steps_per_generation=3, gradient_accumulation_steps=2,
+                    num_iterations=1)
 
 
 def test_truncated_completions_get_the_truncated_reward(tiny, tmp_path):
@@ -226,7 +229,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path, aggregation)
 
     halves = [{k: (v[i * 4:(i + 1) * 4] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in inputs.items()}
               for i in range(2)]
-    accum.count_slice_tokens(halves)
+    accum.count_slices(halves)
     accum.model.train()
     accum.model.zero_grad()
     accum.current_gradient_accumulation_steps = 2
@@ -271,3 +274,75 @@ def test_rloo_scales_advantages(tiny, tmp_path, monkeypatch):
                         lambda self, inputs: {"advantages": torch.tensor([1.0, -1.0, 3.0, -3.0])})
     out = trainer._generate_and_score_completions([])
     torch.testing.assert_close(out["advantages"], torch.tensor([1.0, -1.0, 3.0, -3.0]) * 4 / 3)
+
+
+# ------------------------------------------------------------------ skip_zero_advantage (DAPO's filter)
+ZERO_ROWS = [1, 4, 6]  # rows of `_batch` whose advantage is set to exactly 0
+
+
+def _batch_with_zero_advantages(tokenizer):
+    inputs = _batch(tokenizer)
+    inputs["advantages"][ZERO_ROWS] = 0.0
+    return inputs
+
+
+@pytest.mark.parametrize("aggregation", ["dr_grpo", "token_mean", "seq_mean_token_mean"])
+def test_skip_zero_advantage_keeps_the_update_direction(tiny, tmp_path, aggregation):
+    """Dropping the zero-advantage rows changes the gradient only by the normaliser: kept rows instead of all."""
+    kwargs = dict(objective="kl3", objective_kwargs={"delta": 0.02}, aggregation=aggregation, max_completion_length=6)
+    full = make_trainer(tiny, tmp_path / "full", **kwargs)
+    skip = make_trainer(tiny, tmp_path / "skip", skip_zero_advantage=True, **kwargs)
+    inputs = _with_old_logps(full, _batch_with_zero_advantages(tiny[1]))
+    full.count_slices([inputs])
+    full._step = 0
+    loss_full, grads_full = _loss_and_grads(full, inputs)
+
+    kept = skip.drop_zero_advantage(inputs)
+    keep = [i for i in range(8) if i not in ZERO_ROWS]
+    assert torch.equal(kept["completion_ids"], inputs["completion_ids"][keep])
+    assert torch.equal(kept["old_per_token_logps"], inputs["old_per_token_logps"][keep])
+    assert kept["num_items_in_batch"].item() == inputs["completion_mask"][keep].sum().item()
+    assert skip._metrics["train"]["update/kept_frac"] == [5 / 8]
+    skip.count_slices([kept])
+    skip._step = 0
+    loss_kept, grads_kept = _loss_and_grads(skip, kept)
+
+    mask = inputs["completion_mask"]
+    scale = mask.sum() / mask[keep].sum() if aggregation == "token_mean" else torch.tensor(8 / 5)
+    torch.testing.assert_close(loss_kept, loss_full * scale, rtol=1e-5, atol=1e-7)
+    assert len(grads_kept) == len(grads_full) > 0
+    for a, b in zip(grads_kept, grads_full, strict=True):
+        torch.testing.assert_close(a, b * scale, rtol=1e-4, atol=1e-7)
+
+
+def test_skip_zero_advantage_fills_whole_slices(tiny, tmp_path):
+    """With steps_per_generation = 2 the kept rows are topped up with zero-advantage rows to an even count."""
+    trainer = make_trainer(tiny, tmp_path, skip_zero_advantage=True, per_device_train_batch_size=4,
+                           steps_per_generation=2)
+    advantages = torch.tensor([0.0, 0.5, 0.0, 0.0, -0.5, 0.0, 1.0, 0.0])
+    output = {"advantages": advantages, "completion_ids": torch.arange(8)[:, None].repeat(1, 3),
+              "completion_mask": torch.ones(8, 3, dtype=torch.long), "texts": [f"t{i}" for i in range(8)],
+              "num_items_in_batch": torch.tensor(24)}
+    kept = trainer.drop_zero_advantage(output)
+    assert kept["completion_ids"][:, 0].tolist() == [0, 1, 4, 6]  # 3 informative rows + the first filler, in order
+    assert kept["texts"] == ["t0", "t1", "t4", "t6"]
+    assert kept["num_items_in_batch"].item() == 12
+    none_informative = trainer.drop_zero_advantage({**output, "advantages": torch.zeros(8)})
+    assert none_informative["completion_ids"][:, 0].tolist() == [0, 1]  # one row per slice
+    with pytest.raises(ValueError, match="multimodal"):
+        trainer.drop_zero_advantage({**output, "pixel_values": torch.zeros(8, 3)})
+
+
+def test_skip_zero_advantage_trains(tiny, tmp_path):
+    """Groups whose rewards all agree (here: every prompt but one) leave the update; training still moves."""
+    def reward(completions, prompts, **kwargs):
+        return [digit_reward([c])[0] if "3+4" in p else 1.0 for c, p in zip(completions, prompts, strict=True)]
+
+    trainer = make_trainer(tiny, tmp_path, reward=reward, skip_zero_advantage=True)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    kept = trainer.state.log_history[0].get("update/kept_frac")
+    assert kept is not None and 0 < kept < 1
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))

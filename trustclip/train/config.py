@@ -111,7 +111,7 @@ class RLArgs:
     aggregation: str = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
                           "seq_mean_token_mean or seq_mean_token_sum.")
     advantage_estimator: str = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
-    max_steps: int = _f(150, "RL optimizer steps.")
+    max_steps: int = _f(250, "RL optimizer steps.")
     learning_rate: float = _f(2e-4, "RL (peak) learning rate.")
     lr_scheduler_type: str = _f("cosine", "RL learning-rate schedule (cosine: decays to 0 at max_steps).")
     warmup_steps: int = _f(0, "RL warm-up steps.")
@@ -134,6 +134,9 @@ class RLArgs:
     truncated_reward: float | None = _f(0.0, "Reward of a completion cut at max_completion_length (no EOS): 0 makes "
                                         "an unfinished answer a wrong one, so the policy keeps stopping after its "
                                         "answer; null scores its text as it is.")
+    skip_zero_advantage: bool = _f(True, "Leave completions with advantage 0 (groups whose rewards all agree) out "
+                                   "of the update: DAPO's dynamic-sampling filter, without re-sampling. Same update "
+                                   "direction, less compute; raise the prompts per step to keep more groups.")
     reward_timeout: float = _f(5.0, "Hard per-answer timeout of math-verify (seconds).")
     save_steps: int = _f(50, "Checkpoint every N steps (for --resume).")
     save_total_limit: int | None = _f(2, "Keep at most N checkpoints.")

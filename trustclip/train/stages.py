@@ -143,6 +143,7 @@ def grpo_config(config: TrainConfig, folder: Path) -> Any:
         num_generations=r.num_generations, num_iterations=r.num_iterations, temperature=r.temperature,
         top_p=r.top_p, top_k=r.top_k, max_completion_length=r.max_completion_length, beta=r.beta,
         mask_truncated_completions=r.mask_truncated_completions, truncated_reward=r.truncated_reward,
+        skip_zero_advantage=r.skip_zero_advantage,
         save_steps=r.save_steps, save_total_limit=r.save_total_limit, logging_steps=r.logging_steps, **extra,
     )
 

@@ -32,6 +32,7 @@ POLICY_LOSS = "policy_loss"
 KL_REF = "kl"  # k3 KL to the reference model, only when beta != 0
 REWARD_TIMEOUTS = "reward/timeouts"  # cumulative math-verify timeouts (trustclip.rewards counters)
 REWARD_ERRORS = "reward/errors"
+KEPT_FRACTION = "update/kept_frac"  # completions left in the policy update by skip_zero_advantage
 CLIP_LOW = PREFIX + "clip_frac_low"
 CLIP_HIGH = PREFIX + "clip_frac_high"
 CLIP_ANY = PREFIX + "clip_frac"

@@ -10,9 +10,10 @@ auxiliary loss, and the `clip_ratio/*` / `entropy` metric names.
 Normalisation (the contract with `transformers.Trainer`, `loss_is_scaled_for_ga = True`): each
 micro-batch returns its share of the one-big-batch loss of the optimizer step, so that summing over
 gradient-accumulation steps and averaging over processes (DDP) gives exactly the gradient of the whole
-step's batch. Sequence aggregations divide by the step's number of sequences; `token_mean` divides by the
-step's number of valid tokens, counted exactly from the buffered generation batch when the accumulation
-window lies inside one generation batch (always true with TRL's default steps_per_generation).
+step's batch. Sequence aggregations divide by the step's number of sequences, `token_mean` by its number of
+valid tokens, both counted over all processes from the buffered generation batch when the accumulation
+window lies inside one generation batch (always true with TRL's default steps_per_generation). The counts
+matter with `skip_zero_advantage`, which leaves processes with micro-batches of different sizes.
 
 Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch is used for more
 than one optimizer step: `num_iterations >= 2` (mu updates per batch) or `steps_per_generation >
@@ -74,6 +75,14 @@ class TrustClipGRPOConfig(GRPOConfig):
             score of it is replaced). `0.0` makes an unfinished answer a wrong one, so the policy cannot drift
             into never stopping after its answer; unlike `mask_truncated_completions` (DAPO's overlong
             filtering) such completions still get a (negative) gradient. Default: score them as they are.
+        skip_zero_advantage (`bool`, defaults to `False`):
+            Leave completions whose advantage is exactly 0 out of the policy update: with a binary reward, every
+            group whose rewards all agree (the filter of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11,
+            without its re-sampling). They carry no policy gradient, so the update direction is unchanged
+            (beta = 0, no entropy bonus, an objective without batch statistics; Clip-Cov / KL-Cov select among
+            the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
+            batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
+            groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
     """
 
     objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
@@ -91,6 +100,10 @@ class TrustClipGRPOConfig(GRPOConfig):
     )
     truncated_reward: float | None = field(
         default=None, metadata={"help": "Reward of completions cut at max_completion_length (default: as scored)."}
+    )
+    skip_zero_advantage: bool = field(
+        default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
+                                         "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
     )
 
     def __post_init__(self) -> None:
@@ -122,6 +135,14 @@ class TrustClipGRPOConfig(GRPOConfig):
             )
         self.scale_rewards = _SCALE_REWARDS[self.advantage_estimator]
         super().__post_init__()
+        generate_every = self.steps_per_generation * self.num_iterations
+        if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
+            # processes then hold different numbers of rows, and only whole windows have exact counts
+            raise ValueError(
+                f"skip_zero_advantage needs each optimizer step inside one generation batch: steps_per_generation="
+                f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            )
 
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
@@ -168,8 +189,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
         self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
-        self._slice_tokens: list[float] | None = None
+        self._slice_counts: list[tuple[float, float]] | None = None  # (valid tokens, sequences) per buffered slice
         self._buffer_seen = None
+        self.skip_zero_advantage = bool(getattr(args, "skip_zero_advantage", False))
         message = on_policy_warning(args, self.objective.name)
         if message:
             bar = "!" * 100
@@ -182,10 +204,45 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if self.advantage_estimator == "rloo" and self.num_generations > 1:
             # R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R); TRL produced the latter (scale_rewards=none)
             output["advantages"] = output["advantages"] * (self.num_generations / (self.num_generations - 1))
+        if self.skip_zero_advantage and self.model.training:
+            output = self.drop_zero_advantage(output)
         if "full_kl" in self.objective.requires and output.get("old_per_token_logps") is not None:
             with torch.no_grad():
                 output["old_full_logps"] = self._full_vocab_logps(self.model, output)[2].detach()
         return output
+
+    def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
+        """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`).
+
+        The batch is later split into `steps_per_generation` equal slices, so the kept count is rounded up to a
+        multiple of it with zero-advantage rows (at most steps_per_generation - 1; they add nothing to the
+        gradient). `num_items_in_batch` becomes the kept valid tokens of all processes.
+        """
+        if any(key in output for key in _MULTIMODAL_KEYS):
+            raise ValueError("skip_zero_advantage does not support multimodal inputs (their image tensors are not "
+                             "split per completion); turn it off")
+        advantages = output["advantages"]
+        informative = advantages.ne(0) if advantages.dim() == 1 else advantages.ne(0).any(dim=1)
+        rows = informative.nonzero().flatten()
+        spg, size = self.args.steps_per_generation, advantages.size(0)
+        wanted = min(size, max(spg, math.ceil(rows.numel() / spg) * spg))
+        if wanted > rows.numel():
+            fillers = (~informative).nonzero().flatten()[: wanted - rows.numel()]
+            rows = torch.cat([rows, fillers]).sort().values
+        kept = {}
+        for key, value in output.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == size:
+                kept[key] = value[rows]
+            elif isinstance(value, list) and len(value) == size:
+                kept[key] = [value[i] for i in rows.tolist()]
+            else:
+                kept[key] = value
+        counts = torch.tensor([float(_loss_mask(kept).sum()), float(rows.numel()), float(size)],
+                              device=advantages.device)
+        tokens, n_kept, n_all = self.accelerator.reduce(counts, reduction="sum").tolist()
+        kept["num_items_in_batch"] = torch.tensor(tokens, device=advantages.device)
+        self._metrics["train"][names.KEPT_FRACTION].append(n_kept / max(n_all, 1.0))
+        return kept
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -209,14 +266,16 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self._buffered_inputs is not self._buffer_seen:
             self._buffer_seen = self._buffered_inputs
-            self.count_slice_tokens(self._buffered_inputs)
+            self.count_slices(self._buffered_inputs)
         return inputs
 
-    def count_slice_tokens(self, slices: list[dict[str, Any]]) -> None:
-        """Record the valid-token count of each slice of a new generation batch, summed over processes (one
-        collective per generation); `token_mean` divides by the counts of its optimizer step's slices."""
-        counts = torch.stack([_loss_mask(b).sum() for b in slices]).float()
-        self._slice_tokens = self.accelerator.reduce(counts, reduction="sum").tolist()
+    def count_slices(self, slices: list[dict[str, Any]]) -> None:
+        """Record the valid tokens and the sequences of each slice of a new generation batch, summed over processes
+        (one collective per generation); an optimizer step divides by the counts of its slices (`token_mean`:
+        tokens; the sequence aggregations: sequences, which differ between processes with `skip_zero_advantage`)."""
+        counts = torch.tensor([[float(_loss_mask(b).sum()), float(b["completion_ids"].size(0))] for b in slices],
+                              device=self.accelerator.device)
+        self._slice_counts = [tuple(c) for c in self.accelerator.reduce(counts, reduction="sum").tolist()]
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -335,20 +394,30 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _denominators(self, inputs: dict[str, Any], mode: str) -> dict[str, float]:
         """Global denominators of this micro-batch's optimizer step, per process (DDP averages over processes)."""
-        if self.aggregation != "token_mean":
-            return {"num_sequences": inputs["completion_ids"].size(0) * self._accumulation(mode)}
-        return {"num_tokens": max(self._window_tokens(inputs, mode), 1.0) / self.accelerator.num_processes}
+        window, processes = self._window_counts(mode), self.accelerator.num_processes
+        if self.aggregation == "token_mean":
+            if window is not None:
+                tokens = window[0]
+            else:  # eval: the whole batch; a window spanning two generation batches: TRL's estimate
+                share = self._accumulation(mode) / self.args.steps_per_generation if mode == "train" else 1.0
+                tokens = float(inputs["num_items_in_batch"]) * share
+            return {"num_tokens": max(tokens, 1.0) / processes}
+        if window is not None:
+            return {"num_sequences": max(window[1], 1.0) / processes}
+        # eval, or a window spanning two generation batches: micro-batches of equal size
+        return {"num_sequences": inputs["completion_ids"].size(0) * self._accumulation(mode)}
 
-    def _window_tokens(self, inputs: dict[str, Any], mode: str) -> float:
-        """Valid tokens of the whole optimizer step, all processes."""
-        total = float(inputs["num_items_in_batch"])  # the whole generation batch, all processes
-        if mode != "train":
-            return total
+    def _window_counts(self, mode: str) -> tuple[float, float] | None:
+        """(valid tokens, sequences) of the whole optimizer step, all processes, when the step's accumulation window
+        lies inside one generation batch; else None."""
         ga, spg = self.current_gradient_accumulation_steps, self.args.steps_per_generation
-        if self._exact_window and self._slice_tokens is not None and ga == self.args.gradient_accumulation_steps:
-            start = (self._step // ga) * ga
-            return sum(self._slice_tokens[s % spg] for s in range(start, start + ga))
-        return total * ga / spg  # TRL's estimate when a window spans two generation batches
+        if mode != "train" or not self._exact_window or self._slice_counts is None:
+            return None
+        if ga != self.args.gradient_accumulation_steps:
+            return None
+        start = (self._step // ga) * ga
+        window = [self._slice_counts[s % spg] for s in range(start, start + ga)]
+        return sum(t for t, _ in window), sum(n for _, n in window)
 
     def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor | float:
         """-coef * mean entropy over the tokens the loss acts on, with TRL's adaptive controller."""
