@@ -273,9 +273,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         """Record the valid tokens and the sequences of each slice of a new generation batch, summed over processes
         (one collective per generation); an optimizer step divides by the counts of its slices (`token_mean`:
         tokens; the sequence aggregations: sequences, which differ between processes with `skip_zero_advantage`)."""
-        counts = torch.tensor([[float(_loss_mask(b).sum()), float(b["completion_ids"].size(0))] for b in slices],
-                              device=self.accelerator.device)
-        self._slice_counts = [tuple(c) for c in self.accelerator.reduce(counts, reduction="sum").tolist()]
+        tokens = torch.stack([_loss_mask(b).sum() for b in slices]).float()  # stays on device: one sync, below
+        sequences = torch.tensor([float(b["completion_ids"].size(0)) for b in slices], device=tokens.device)
+        totals = self.accelerator.reduce(torch.stack([tokens, sequences], dim=1), reduction="sum")
+        self._slice_counts = [tuple(c) for c in totals.tolist()]
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -411,9 +412,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         """(valid tokens, sequences) of the whole optimizer step, all processes, when the step's accumulation window
         lies inside one generation batch; else None."""
         ga, spg = self.current_gradient_accumulation_steps, self.args.steps_per_generation
-        if mode != "train" or not self._exact_window or self._slice_counts is None:
-            return None
-        if ga != self.args.gradient_accumulation_steps:
+        if (mode != "train" or not self._exact_window or self._slice_counts is None
+                or ga != self.args.gradient_accumulation_steps):
             return None
         start = (self._step // ga) * ga
         window = [self._slice_counts[s % spg] for s in range(start, start + ga)]
