@@ -43,6 +43,20 @@ def test_builtin_rows_follow_the_data_options():
     assert not {r["problem"] for r in train} & {r["problem"] for rows in held_out.values() for r in rows}
 
 
+def test_sft_takes_the_first_rows_of_the_rl_pool():
+    from trustclip.train.data import load_rows
+    from trustclip.train.stages import sft_rows
+
+    default = load_config()
+    assert default.sft.limit < default.data.builtin_n_train  # SFT for format on a part, RL on the whole pool
+    config = load_config(None, ["data.builtin_n_train=60", "sft.limit=12"])
+    pool = load_rows("builtin:train", config, split="train")
+    assert len(pool) == 60
+    assert [r["problem"] for r in sft_rows(config)] == [r["problem"] for r in pool[:12]]
+    config = load_config(None, ["data.builtin_n_train=60", "sft.limit=null"])
+    assert len(sft_rows(config)) == 60
+
+
 def test_reward_and_eval_share_the_answer_format():
     from trustclip.train.stages import eval_config, reward_function
 

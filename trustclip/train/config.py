@@ -66,7 +66,8 @@ class DataArgs:
     system_prompt: str | None = _f(None, "Optional system prompt.")
     seed: int = _f(0, "Seed of the built-in synthetic task.")
     builtin_train_levels: list[int] = _f([2, 3, 4], "Levels of the built-in task's train split (1-4).")
-    builtin_n_train: int = _f(400, "Problems in the built-in train split.")
+    builtin_n_train: int = _f(2000, "Problems in the built-in train split (the RL pool; SFT takes its first "
+                              "sft.limit).")
     builtin_n_eval: int = _f(64, "Problems in each built-in held-out split.")
     builtin_max_operand: int | None = _f(9, "Largest operand of the built-in task (null: the task's own, 99).")
 
@@ -88,7 +89,8 @@ class SFTArgs:
     solution_key: str = _f("solution", "Field holding the worked solution (the SFT target).")
     problem_key: str | None = _f(None, "Problem field of the SFT rows (default: data.problem_key).")
     answer_key: str | None = _f(None, "Answer field of the SFT rows (default: data.answer_key).")
-    limit: int | None = _f(None, "Keep only the first N SFT rows.")
+    limit: int | None = _f(400, "Keep only the first N SFT rows (null: all). SFT is for the format: it sees a "
+                           "small part of the pool, RL the whole of it.")
     max_steps: int = _f(200, "SFT optimizer steps (stop early: the point is the format, not the skill).")
     learning_rate: float = _f(3e-3, "SFT learning rate.")
     lr_scheduler_type: str = _f("constant", "SFT learning-rate schedule.")
