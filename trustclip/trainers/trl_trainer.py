@@ -237,8 +237,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 kept[key] = [value[i] for i in rows.tolist()]
             else:
                 kept[key] = value
-        counts = torch.tensor([float(_loss_mask(kept).sum()), float(rows.numel()), float(size)],
-                              device=advantages.device)
+        sizes = torch.tensor([rows.numel(), size], dtype=torch.float, device=advantages.device)
+        counts = torch.cat([_loss_mask(kept).sum().float().reshape(1), sizes])  # on device: one sync, after reduce
         tokens, n_kept, n_all = self.accelerator.reduce(counts, reduction="sum").tolist()
         kept["num_items_in_batch"] = torch.tensor(tokens, device=advantages.device)
         self._metrics["train"][names.KEPT_FRACTION].append(n_kept / max(n_all, 1.0))
@@ -395,18 +395,16 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _denominators(self, inputs: dict[str, Any], mode: str) -> dict[str, float]:
         """Global denominators of this micro-batch's optimizer step, per process (DDP averages over processes)."""
-        window, processes = self._window_counts(mode), self.accelerator.num_processes
+        processes = self.accelerator.num_processes
+        window = self._window_counts(mode)
+        if window is None:  # eval (the whole batch), or a window spanning two generation batches: TRL's estimate
+            share = self._accumulation(mode) / self.args.steps_per_generation if mode == "train" else 1.0
+            window = (float(inputs["num_items_in_batch"]) * share,
+                      inputs["completion_ids"].size(0) * self._accumulation(mode) * processes)  # equal micro-batches
+        tokens, sequences = window
         if self.aggregation == "token_mean":
-            if window is not None:
-                tokens = window[0]
-            else:  # eval: the whole batch; a window spanning two generation batches: TRL's estimate
-                share = self._accumulation(mode) / self.args.steps_per_generation if mode == "train" else 1.0
-                tokens = float(inputs["num_items_in_batch"]) * share
             return {"num_tokens": max(tokens, 1.0) / processes}
-        if window is not None:
-            return {"num_sequences": max(window[1], 1.0) / processes}
-        # eval, or a window spanning two generation batches: micro-batches of equal size
-        return {"num_sequences": inputs["completion_ids"].size(0) * self._accumulation(mode)}
+        return {"num_sequences": max(sequences, 1.0) / processes}
 
     def _window_counts(self, mode: str) -> tuple[float, float] | None:
         """(valid tokens, sequences) of the whole optimizer step, all processes, when the step's accumulation window
