@@ -333,6 +333,45 @@ def test_skip_zero_advantage_fills_whole_slices(tiny, tmp_path):
         trainer.drop_zero_advantage({**output, "pixel_values": torch.zeros(8, 3)})
 
 
+@pytest.mark.parametrize(("beta", "steps_per_generation"), [(0.0, 1), (0.1, 1), (0.0, 2)])
+def test_skip_zero_advantage_scores_old_logps_on_kept_rows(tiny, tmp_path, beta, steps_per_generation):
+    """Old log-probs are computed after the drop, for the kept rows only (beta = 0; with a reference model TRL's
+    forward over the whole batch stays), in steps_per_generation forwards, and equal the whole-batch forward's rows."""
+    def reward(completions, prompts, **kwargs):  # only the 3+4 group can have non-zero advantages
+        return [digit_reward([c])[0] if "3+4" in p else 1.0 for c, p in zip(completions, prompts, strict=True)]
+
+    spg = steps_per_generation
+    trainer = make_trainer(tiny, tmp_path, reward=reward, skip_zero_advantage=True, beta=beta, seed=1,
+                           per_device_train_batch_size=8 // spg, steps_per_generation=spg)
+    rows_scored = []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def recording_forward(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled() and not trainer._defer_old_logps:
+            rows_scored.append((input_ids.size(0), kwargs.get("batch_size")))  # (rows, rows per forward)
+        return forward(model, input_ids, *args, **kwargs)
+
+    before_drop = []
+    drop = trainer.drop_zero_advantage
+    trainer._get_per_token_logps_and_entropies = recording_forward
+    trainer.drop_zero_advantage = lambda output: drop(before_drop.append(output) or output)
+    trainer.model.train()
+    batch = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
+    out = trainer._generate_and_score_completions(batch)
+    kept = out["completion_ids"].size(0)
+    assert 0 < kept < 8, "the test needs a batch with dropped rows"
+    # beta > 0: old and reference log-probs over the whole batch, as TRL computes them
+    assert rows_scored == ([(kept, kept // spg)] if beta == 0 else [(8, 8 // spg)] * 2)
+    (whole,) = before_drop
+    informative_rows = whole["advantages"].nonzero().flatten()  # kept, in order (spg = 2 may add a filler)
+    informative_out = out["advantages"].nonzero().flatten()
+    assert torch.equal(out["completion_ids"][informative_out], whole["completion_ids"][informative_rows])
+    whole_batch_logps = trainer._old_logps(whole)  # the forward TRL runs without the deferral: all 8 rows
+    assert torch.isfinite(out["old_per_token_logps"]).all()
+    torch.testing.assert_close(out["old_per_token_logps"][informative_out], whole_batch_logps[informative_rows],
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_skip_zero_advantage_trains(tiny, tmp_path):
     """Groups whose rewards all agree (here: every prompt but one) leave the update; training still moves."""
     def reward(completions, prompts, **kwargs):

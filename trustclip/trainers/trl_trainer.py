@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 
 from trustclip.objectives import (
     ADVANTAGE_ESTIMATORS,
@@ -185,6 +186,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             spec, hparams, max_len = objective, {}, None
             self.aggregation, self.advantage_estimator = "dr_grpo", None
         self.objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
+        self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
         super().__init__(model, reward_funcs, args, **kwargs)
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
@@ -200,16 +202,36 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation side
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        output = super()._generate_and_score_completions(inputs)
+        skip = self.skip_zero_advantage and self.model.training
+        # With the skip, the old log-probs are needed for the kept rows only: TRL's forward over the whole generation
+        # batch is deferred until after the drop. Only when it is the sole scoring forward (no reference model, no
+        # vLLM importance-sampling correction, which uses them before the rewards).
+        deferred = skip and self.beta == 0.0 and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        self._defer_old_logps = deferred
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._defer_old_logps = False
         if self.advantage_estimator == "rloo" and self.num_generations > 1:
             # R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R); TRL produced the latter (scale_rewards=none)
             output["advantages"] = output["advantages"] * (self.num_generations / (self.num_generations - 1))
-        if self.skip_zero_advantage and self.model.training:
+        if skip:
             output = self.drop_zero_advantage(output)
+            if deferred and "old_per_token_logps" in output:
+                output["old_per_token_logps"] = self._old_logps(output)
         if "full_kl" in self.objective.requires and output.get("old_per_token_logps") is not None:
             with torch.no_grad():
                 output["old_full_logps"] = self._full_vocab_logps(self.model, output)[2].detach()
         return output
+
+    def _old_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """Log-probs of the completions under the model that sampled them (no update since): TRL's scoring forward.
+
+        The kept rows are a multiple of steps_per_generation, so every process runs steps_per_generation forwards
+        (sharded engines such as ZeRO-3 need the same count everywhere), each of at most a micro-batch."""
+        chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            return self._completion_logps(self.model, output, batch_size=chunk)[0]
 
     def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
         """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`).
@@ -318,6 +340,22 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
         return loss
 
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, *args: Any, **kwargs: Any):
+        if self._defer_old_logps:  # TRL's old-log-prob forward of a whole generation batch: a NaN placeholder
+            placeholder = torch.full((input_ids.size(0), logits_to_keep), math.nan, device=input_ids.device)
+            return placeholder, None, None
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                          *args, **kwargs)
+
+    def _completion_logps(self, model: Any, inputs: dict[str, Any], **kwargs: Any):
+        """TRL's fused (log-probs, entropies, aux loss) of the completions in `inputs` under `model`."""
+        return self._get_per_token_logps_and_entropies(
+            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            inputs["completion_ids"].size(1), **{k: inputs.get(k) for k in _MULTIMODAL_KEYS}, **kwargs,
+        )
+
     def _policy_forward(self, model: Any, inputs: dict[str, Any]):
         """(logps, entropies, aux_loss, extras) of the current policy on the completions."""
         extras: dict[str, torch.Tensor] = {}
@@ -331,12 +369,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             )
             aux_loss = None
         else:
-            logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-                model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-                torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-                inputs["completion_ids"].size(1), compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
-                **{k: inputs.get(k) for k in _MULTIMODAL_KEYS},
-            )
+            logps, entropies, aux_loss = self._completion_logps(
+                model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
         if "entropy" in self.objective.requires:
             extras["entropy"] = entropies.detach()
         return logps, entropies, aux_loss, extras
