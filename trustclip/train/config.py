@@ -113,7 +113,7 @@ class RLArgs:
     aggregation: str = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
                           "seq_mean_token_mean or seq_mean_token_sum.")
     advantage_estimator: str = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
-    max_steps: int = _f(250, "RL optimizer steps.")
+    max_steps: int = _f(350, "RL optimizer steps.")
     learning_rate: float = _f(2e-4, "RL (peak) learning rate.")
     lr_scheduler_type: str = _f("cosine", "RL learning-rate schedule (cosine: decays to 0 at max_steps).")
     warmup_steps: int = _f(0, "RL warm-up steps.")
