@@ -9,6 +9,8 @@ is per process); runs are interleaved A B B A ... so that drifting machine load 
 
 Prints median step time (TRL's `step_time`: generation + loss + backward + optimizer), the time of the loss
 forward + backward alone, and peak RSS; then the ratios ours / TRL. Targets: time <= 1.02, memory <= 1.00.
+Separate processes are noisy on a shared machine (per-round ratios spread by +-10%), so it also times both
+trainers alternated call by call in one process: the loss forward + backward and the generation side.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import sys
 import time
 
 HERE = os.path.abspath(__file__)
+
+
+def digit_fraction(completions, **_):
+    """A dense, cheap reward, so that the loss code is a visible share of the step."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def build_trainer(kind: str, model, tokenizer, dataset, reward, objective: str, aggregation: str, **common):
@@ -60,10 +67,7 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
                   use_cpu=True, bf16=False, activation_checkpointing=False, gradient_checkpointing=None,
                   report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, temperature=1.0)
 
-    def reward(completions, **_):  # dense and cheap, so the loss code is a visible share of the step
-        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-    trainer = build_trainer(kind, model, tokenizer, dataset, reward, objective, aggregation, **common)
+    trainer = build_trainer(kind, model, tokenizer, dataset, digit_fraction, objective, aggregation, **common)
     loss_times: list[float] = []
     compute_loss = trainer.compute_loss
 
@@ -87,9 +91,10 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
             "peak_rss_mb": peak / 1024, "rss_before_mb": rss_before / 1024}
 
 
-def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats: int = 60) -> dict:
-    """Loss forward + backward of both trainers on one fixed batch (B=32, T=32, ratios != 1), alternated
-    call by call in one process, so machine-load drift cancels: the part of the step the trainers differ in."""
+def alternated_microbenchmark(objective: str, aggregation: str, threads: int, repeats: int = 60) -> dict:
+    """Both trainers alternated call by call in one process, so machine-load drift cancels: the loss forward +
+    backward on one fixed batch (B=32, T=32, ratios != 1), and the generation side (sampling, rewards,
+    advantages, old log-probs) on the same prompts with the same sampling seed."""
     import copy
 
     import torch
@@ -105,11 +110,8 @@ def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats:
                   activation_checkpointing=False, gradient_checkpointing=None, report_to="none")
     data = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 8)
 
-    def reward(completions, **_):
-        return [0.0] * len(completions)
-
-    trl, ours = (build_trainer(kind, copy.deepcopy(model), tokenizer, data, reward, objective, aggregation, **common)
-                 for kind in ("trl", "trustclip"))
+    trl, ours = (build_trainer(kind, copy.deepcopy(model), tokenizer, data, digit_fraction, objective, aggregation,
+                               **common) for kind in ("trl", "trustclip"))
     g = torch.Generator().manual_seed(0)
     prompt = tokenizer(["Compute 12+35.\n"] * 32, return_tensors="pt", add_special_tokens=False)
     completion_ids = torch.randint(5, 60, (32, 32), generator=g)
@@ -134,9 +136,28 @@ def loss_microbenchmark(objective: str, aggregation: str, threads: int, repeats:
             trainer.model.zero_grad(set_to_none=True)
             if i >= 5:  # warm-up
                 times[name].append(time.perf_counter() - start)
-    ratios = [a / b for a, b in zip(times["trustclip"], times["trl"], strict=True)]
-    return {"trl_ms": 1000 * statistics.median(times["trl"]), "ours_ms": 1000 * statistics.median(times["trustclip"]),
-            "ratio": statistics.median(ratios)}
+    # Generation side (sampling, rewards, advantages, old log-probs): same prompts and sampling seed for both.
+    prompts = [{"prompt": "Compute 12+35-7.\n"}, {"prompt": "Compute (4+5)*3.\n"}, {"prompt": "Compute 9-2.\n"},
+               {"prompt": "Compute 61+8.\n"}]
+    inputs = [row for row in prompts for _ in range(8)]
+    gen_times: dict[str, list[float]] = {"trl": [], "trustclip": []}
+    for i in range(repeats // 3 + 3):
+        for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
+            torch.manual_seed(i)
+            start = time.perf_counter()
+            trainer._generate_and_score_completions(inputs)
+            if i >= 3:  # warm-up
+                gen_times[name].append(time.perf_counter() - start)
+
+    def median_ms(values: list[float]) -> float:
+        return 1000 * statistics.median(values)
+
+    paired = [a / b for a, b in zip(times["trustclip"], times["trl"], strict=True)]
+    return {"trl_ms": median_ms(times["trl"]), "ours_ms": median_ms(times["trustclip"]),
+            "ratio": statistics.median(paired), "trl_gen_ms": median_ms(gen_times["trl"]),
+            "ours_gen_ms": median_ms(gen_times["trustclip"]),
+            "gen_ratio": statistics.median(a / b for a, b in zip(gen_times["trustclip"], gen_times["trl"],
+                                                                  strict=True))}
 
 
 def run_worker(kind: str, args: argparse.Namespace) -> dict:
@@ -159,7 +180,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=["trl", "trustclip", "micro"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "micro":
-        print(json.dumps(loss_microbenchmark(args.objective, args.aggregation, args.threads)))
+        print(json.dumps(alternated_microbenchmark(args.objective, args.aggregation, args.threads)))
         return
     if args.worker:
         print(json.dumps(worker(args.worker, args.steps, args.objective, args.aggregation, args.threads)))
@@ -184,8 +205,13 @@ def main() -> None:
     spread = [b["step_s"] / a["step_s"] for a, b in zip(results["trl"], results["trustclip"], strict=True)]
     print(f"per-round step-time ratios: {', '.join(f'{r:.3f}' for r in spread)} (run-to-run noise on a shared machine)")
     micro = run_worker("micro", args)
-    print(f"loss fwd+bwd alone, same batch, alternated call by call in one process: TRL {micro['trl_ms']:.1f} ms, "
-          f"ours {micro['ours_ms']:.1f} ms, median ratio {micro['ratio']:.3f}")
+    print("alternated call by call in one process (machine-load drift cancels):")
+    print(f"  loss fwd+bwd, same batch:                TRL {micro['trl_ms']:.1f} ms, ours {micro['ours_ms']:.1f} ms, "
+          f"median ratio {micro['ratio']:.3f}")
+    print(f"  generation + rewards + old log-probs:    TRL {micro['trl_gen_ms']:.1f} ms, ours "
+          f"{micro['ours_gen_ms']:.1f} ms, median ratio {micro['gen_ratio']:.3f}")
+    trl_ms, ours_ms = micro["trl_ms"] + micro["trl_gen_ms"], micro["ours_ms"] + micro["ours_gen_ms"]
+    print(f"  the two together (the optimizer step is the same code): ratio {ours_ms / trl_ms:.3f}")
 
 
 if __name__ == "__main__":
