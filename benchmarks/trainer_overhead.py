@@ -124,40 +124,42 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, re
             trl.model, torch.cat([batch["prompt_ids"], completion_ids], 1),
             torch.cat([batch["prompt_mask"], mask], 1), 32)
     batch["old_per_token_logps"] = (old + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=0.0)
-    times: dict[str, list[float]] = {"trl": [], "trustclip": []}
     for trainer in (trl, ours):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
     ours.count_slices([batch])
-    for i in range(repeats + 5):
-        for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
-            start = time.perf_counter()
-            trainer.compute_loss(trainer.model, batch).backward()
-            trainer.model.zero_grad(set_to_none=True)
-            if i >= 5:  # warm-up
-                times[name].append(time.perf_counter() - start)
+
+    def loss_step(trainer) -> None:
+        trainer.compute_loss(trainer.model, batch).backward()
+        trainer.model.zero_grad(set_to_none=True)
+
     # Generation side (sampling, rewards, advantages, old log-probs): same prompts and sampling seed for both.
     prompts = [{"prompt": "Compute 12+35-7.\n"}, {"prompt": "Compute (4+5)*3.\n"}, {"prompt": "Compute 9-2.\n"},
                {"prompt": "Compute 61+8.\n"}]
     inputs = [row for row in prompts for _ in range(8)]
-    gen_times: dict[str, list[float]] = {"trl": [], "trustclip": []}
-    for i in range(repeats // 3 + 3):
+    loss = alternate(trl, ours, loss_step, repeats, warmup=5)
+    generation = alternate(trl, ours, lambda trainer: trainer._generate_and_score_completions(inputs), repeats // 3,
+                           warmup=3)
+    return {"trl_ms": loss["trl_ms"], "ours_ms": loss["ours_ms"], "ratio": loss["ratio"],
+            "trl_gen_ms": generation["trl_ms"], "ours_gen_ms": generation["ours_ms"], "gen_ratio": generation["ratio"]}
+
+
+def alternate(trl, ours, call, repeats: int, warmup: int) -> dict[str, float]:
+    """Time `call(trainer)` for both trainers, alternating which goes first, with the same torch seed per pair:
+    median milliseconds of each and the median of the paired ratios ours / TRL."""
+    import torch
+
+    times: dict[str, list[float]] = {"trl": [], "trustclip": []}
+    for i in range(repeats + warmup):
         for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
             torch.manual_seed(i)
             start = time.perf_counter()
-            trainer._generate_and_score_completions(inputs)
-            if i >= 3:  # warm-up
-                gen_times[name].append(time.perf_counter() - start)
-
-    def median_ms(values: list[float]) -> float:
-        return 1000 * statistics.median(values)
-
+            call(trainer)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
     paired = [a / b for a, b in zip(times["trustclip"], times["trl"], strict=True)]
-    return {"trl_ms": median_ms(times["trl"]), "ours_ms": median_ms(times["trustclip"]),
-            "ratio": statistics.median(paired), "trl_gen_ms": median_ms(gen_times["trl"]),
-            "ours_gen_ms": median_ms(gen_times["trustclip"]),
-            "gen_ratio": statistics.median(a / b for a, b in zip(gen_times["trustclip"], gen_times["trl"],
-                                                                  strict=True))}
+    return {"trl_ms": 1000 * statistics.median(times["trl"]), "ours_ms": 1000 * statistics.median(times["trustclip"]),
+            "ratio": statistics.median(paired)}
 
 
 def run_worker(kind: str, args: argparse.Namespace) -> dict:

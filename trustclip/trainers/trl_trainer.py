@@ -350,10 +350,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _completion_logps(self, model: Any, inputs: dict[str, Any], **kwargs: Any):
         """TRL's fused (log-probs, entropies, aux loss) of the completions in `inputs` under `model`."""
+        input_ids, attention_mask = _prompt_and_completion(inputs)
         return self._get_per_token_logps_and_entropies(
-            model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            inputs["completion_ids"].size(1), **{k: inputs.get(k) for k in _MULTIMODAL_KEYS}, **kwargs,
+            model, input_ids, attention_mask, inputs["completion_ids"].size(1),
+            **{k: inputs.get(k) for k in _MULTIMODAL_KEYS}, **kwargs,
         )
 
     def _policy_forward(self, model: Any, inputs: dict[str, Any]):
@@ -380,8 +380,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         it materialises the logits, so keep micro-batches small)."""
         completion_ids = inputs["completion_ids"]
         n = completion_ids.size(1)
-        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        input_ids, attention_mask = _prompt_and_completion(inputs)
         with self.accelerator.autocast():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=n + 1).logits
         full = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
@@ -522,6 +521,12 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 continue
             for name in names.logged_names(key):
                 self._metrics[mode][name].append(value)
+
+
+def _prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of prompt and completion side by side, as the policy reads them."""
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
 
 
 _MULTIMODAL_KEYS = (
