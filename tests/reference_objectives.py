@@ -75,7 +75,9 @@ def reference(name, hp, logp, old_logp, adv, mask, entropy=None, full_kl=None):
     a = adv
     q = np.exp(old_logp)
     extra = np.zeros_like(w)
-    if name == "clip":
+    if name == "unconstrained":  # PPO paper Table 1, "no clipping or penalty": J = w A
+        value, phi = w * a, w
+    elif name == "clip":
         value, phi = ratio_clip(w, a, 1 - hp["epsilon"], 1 + hp["epsilon"])
     elif name in ("clip_higher", "dual_clip"):
         value, phi = ratio_clip(w, a, 1 - hp["epsilon_low"], 1 + hp["epsilon_high"])

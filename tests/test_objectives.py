@@ -13,7 +13,7 @@ import trustclip as tc
 from trustclip.objectives import REGISTRY, compute_token_loss, get_objective
 
 # Objectives with a closed-form float64 reference (clip_cov is random and checked separately).
-REFERENCED = ["clip", "clip_higher", "dual_clip", "dcpo", "trgppo", "kl1", "kl2", "kl3", "is_kl3",
+REFERENCED = ["unconstrained", "clip", "clip_higher", "dual_clip", "dcpo", "trgppo", "kl1", "kl2", "kl3", "is_kl3",
               "truly_ppo", "sapo", "cispo", "aspo", "gspo", "kl_cov"]
 SETTINGS = {  # non-default settings, so each code path is exercised
     "trgppo": [{"epsilon": None}, {"delta": 0.02}],
@@ -42,8 +42,8 @@ def random_inputs(seed: int, batch: int = 6, length: int = 9, spread: float = 0.
 
 
 def test_registry_holds_every_method_of_the_brief():
-    wanted = {"clip", "clip_higher", "dual_clip", "dcpo", "clip_cov", "kl_cov", "sapo", "gspo", "cispo", "kl1",
-              "kl2", "kl3", "is_kl3", "trgppo", "truly_ppo", "aspo", "general"}
+    wanted = {"unconstrained", "clip", "clip_higher", "dual_clip", "dcpo", "clip_cov", "kl_cov", "sapo", "gspo",
+              "cispo", "kl1", "kl2", "kl3", "is_kl3", "trgppo", "truly_ppo", "aspo", "general"}
     assert wanted <= set(REGISTRY)
     assert get_objective("atr").name == "kl3"
     for spec in REGISTRY.values():

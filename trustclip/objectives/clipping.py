@@ -8,6 +8,8 @@ i.e. a token loses its gradient iff the constraint is violated and the ratio mov
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trustclip.objectives import bounds as B
@@ -63,6 +65,23 @@ def apply_dual_clip(out: TokenLoss, batch: PolicyBatch, clip_ratio_c: float | No
 
 def _interval_bounds(low_key: str, high_key: str):
     return lambda hp: (1.0 - hp[low_key], 1.0 + hp[high_key])
+
+
+# --------------------------------------------------------------------------- the control: no constraint
+@register_objective(
+    "unconstrained",
+    source="PPO, Schulman et al. 2017 (arXiv 1707.06347), Table 1 row 'no clipping or penalty'",
+    summary="ratio-weighted policy gradient J = w A with no trust region: the control of every constraint",
+    bounds=lambda hp: (0.0, math.inf),
+)
+def unconstrained(batch: PolicyBatch) -> TokenLoss:
+    """J = w A, phi = w on every token: importance-corrected policy gradient with no constraint at all.
+
+    The null hypothesis of every trust region: an objective is only shown to matter where it differs from this
+    control (on-policy, w = 1, every ratio objective here equals it exactly). Nothing is ever clipped."""
+    w, adv = batch.ratio, batch.advantages
+    none = torch.zeros_like(w, dtype=torch.bool)
+    return TokenLoss(loss=-w * adv, clipped_low=none, clipped_high=none)
 
 
 # --------------------------------------------------------------------------- ratio clipping

@@ -9,6 +9,15 @@ from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.registry import Objective, TokenLoss, get_objective
 
 EXTRA_INPUTS = ("entropy", "full_kl")
+# Objective-independent measure of how off-policy an update is: the fraction of valid tokens whose ratio left
+# PPO's default region [1 - 0.2, 1 + 0.2]. It is logged for every objective (the unconstrained control too),
+# so that "the constraint never acted" can be told apart from "the ratio never moved".
+OFFPOLICY_EPSILON = 0.2
+
+
+def offpolicy_tokens(ratio: torch.Tensor) -> torch.Tensor:
+    """Bool (B, T): |w - 1| > OFFPOLICY_EPSILON."""
+    return (ratio.detach() - 1).abs() > OFFPOLICY_EPSILON
 
 
 def compute_token_loss(
@@ -46,8 +55,10 @@ def compute_token_loss(
 
 
 def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
-    """Plain-float metrics: clipped-low / clipped-high fractions of valid tokens, ratio mean / min /
-    max, mean KL3 = w - 1 - log w, and the objective's own statistics (masked means)."""
+    """Plain-float metrics: clipped-low / clipped-high fractions of valid tokens (`clip_frac`, the fraction whose
+    gradient the constraint removed: where it is active), the fraction whose ratio left [0.8, 1.2]
+    (`offpolicy_frac`, whatever the objective), ratio mean / min / max, mean KL3 = w - 1 - log w, and the
+    objective's own statistics (masked means)."""
     mask = batch.mask
     n = mask.sum()
 
@@ -60,6 +71,7 @@ def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
         "clip_frac_low": mean(out.clipped_low),
         "clip_frac_high": mean(out.clipped_high),
         "clip_frac": mean(out.clipped_low | out.clipped_high),
+        "offpolicy_frac": mean(offpolicy_tokens(ratio)),
         "ratio_mean": mean(ratio),
         "ratio_min": float(ratio[valid].min()),
         "ratio_max": float(ratio[valid].max()),

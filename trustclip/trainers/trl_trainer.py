@@ -43,6 +43,7 @@ from trustclip.objectives import (
     get_objective,
 )
 from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
 from trustclip.trainers import metric_names as names
 
@@ -492,6 +493,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             "clip_frac_low": out.clipped_low,
             "clip_frac_high": out.clipped_high,
             "clip_frac": out.clipped_low | out.clipped_high,
+            "offpolicy_frac": offpolicy_tokens(ratio),
             "ratio_mean": ratio,
             "kl3_mean": ratio - 1 - batch.log_ratio.detach(),
             names.ENTROPY: entropies.detach(),
