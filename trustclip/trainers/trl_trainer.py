@@ -45,6 +45,7 @@ from trustclip.objectives import (
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
+from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, topk_kl, topk_logprobs
 from trustclip.trainers import metric_names as names
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ class TrustClipGRPOConfig(GRPOConfig):
             the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
             batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
             groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
+        full_kl_topk (`int`, defaults to `64`):
+            Objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep pi_old per token as its
+            top-k log-probs plus the tail mass (8 k + 4 bytes instead of 4 V) and use the KL of the coarse-grained
+            distributions, a lower bound of the exact KL that is low by the tail mass times the KL within the tail
+            (`trustclip.objectives.topk_kl`). k >= V - 1 keeps the whole distribution (exact).
     """
 
     objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
@@ -107,6 +113,10 @@ class TrustClipGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
                                          "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
     )
+    full_kl_topk: int = field(
+        default=DEFAULT_TOPK, metadata={"help": "truly_ppo: old-policy tokens kept per position for the full-"
+                                                "vocabulary KL (top-k plus tail mass; >= V - 1 is exact)."}
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
@@ -128,6 +138,8 @@ class TrustClipGRPOConfig(GRPOConfig):
             )
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
+        if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
+            raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
         if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
             raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
         if self.importance_sampling_level != "token":
@@ -204,10 +216,13 @@ class TrustClipGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation side
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         skip = self.skip_zero_advantage and self.model.training
+        full_kl = "full_kl" in self.objective.requires
         # With the skip, the old log-probs are needed for the kept rows only: TRL's forward over the whole generation
-        # batch is deferred until after the drop. Only when it is the sole scoring forward (no reference model, no
-        # vLLM importance-sampling correction, which uses them before the rewards).
-        deferred = skip and self.beta == 0.0 and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        # batch is deferred until after the drop. truly_ppo's old pass (below) yields them too. Only when it is the
+        # sole scoring forward (no reference model, no vLLM importance-sampling correction, which uses them before
+        # the rewards).
+        deferred = (skip or full_kl) and self.beta == 0.0 and not (
+            self.use_vllm and self.vllm_importance_sampling_correction)
         self._defer_old_logps = deferred
         try:
             output = super()._generate_and_score_completions(inputs)
@@ -218,11 +233,13 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             output["advantages"] = output["advantages"] * (self.num_generations / (self.num_generations - 1))
         if skip:
             output = self.drop_zero_advantage(output)
-            if deferred and "old_per_token_logps" in output:
-                output["old_per_token_logps"] = self._old_logps(output)
-        if "full_kl" in self.objective.requires and output.get("old_per_token_logps") is not None:
-            with torch.no_grad():
-                output["old_full_logps"] = self._full_vocab_logps(self.model, output)[2].detach()
+        if full_kl and "old_per_token_logps" in output:
+            # pi_old's log-probs and top-k summary from the code path that scores the current policy (ratio 1 exactly
+            # before the first update)
+            output["old_per_token_logps"], summary = self._old_topk(output)
+            output |= dict(zip(_OLD_TOPK_KEYS, summary, strict=True))
+        elif deferred and "old_per_token_logps" in output:
+            output["old_per_token_logps"] = self._old_logps(output)
         return output
 
     def _old_logps(self, output: dict[str, Any]) -> torch.Tensor:
@@ -361,13 +378,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         """(logps, entropies, aux_loss, extras) of the current policy on the completions."""
         extras: dict[str, torch.Tensor] = {}
         if "full_kl" in self.objective.requires:
-            logps, entropies, full = self._full_vocab_logps(model, inputs)
-            old_full = inputs.get("old_full_logps")
-            # KL(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
-            extras["full_kl"] = (
-                torch.zeros_like(logps) if old_full is None
-                else (old_full.exp() * (old_full - full)).sum(-1)
-            )
+            old = TopKLogProbs(*(inputs[key] for key in _OLD_TOPK_KEYS)) if _OLD_TOPK_KEYS[0] in inputs else None
+            logps, entropies, kl = self._full_vocab_forward(model, inputs, old=old)
+            # KL_k(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
+            extras["full_kl"] = torch.zeros_like(logps) if kl is None else kl
             aux_loss = None
         else:
             logps, entropies, aux_loss = self._completion_logps(
@@ -376,18 +390,77 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             extras["entropy"] = entropies.detach()
         return logps, entropies, aux_loss, extras
 
-    def _full_vocab_logps(self, model: Any, inputs: dict[str, Any]):
-        """Log-probs, entropies and the full (B, T, V) log-softmax at the sampling temperature (truly_ppo only:
-        it materialises the logits, so keep micro-batches small)."""
-        completion_ids = inputs["completion_ids"]
-        n = completion_ids.size(1)
+    # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
+    def _old_topk(self, output: dict[str, Any]) -> tuple[torch.Tensor, TopKLogProbs]:
+        """pi_old's log-probs of the completions and its top-k summary per position (no gradient), in the same
+        micro-batch forwards as `_old_logps`."""
+        chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
+        k = self.args.full_kl_topk if isinstance(self.args, TrustClipGRPOConfig) else DEFAULT_TOPK
+        parts = []
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for rows in _row_slices(output, chunk):
+                logps, _, summary = self._full_vocab_forward(self.model, rows, k=k)
+                parts.append((logps, summary))
+        logps = torch.cat([p[0] for p in parts])
+        summary = TopKLogProbs(*(torch.cat(x) for x in zip(*(p[1] for p in parts), strict=True)))
+        return logps, summary._replace(indices=summary.indices.to(torch.int32))  # half the memory of int64
+
+    def _full_vocab_forward(self, model: Any, inputs: dict[str, Any], *, old: TopKLogProbs | None = None,
+                            k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Per completion token, at the sampling temperature: log-prob, entropy, and KL_k(pi_old || pi) against
+        `old` (None without it), or with `k` this policy's top-k summary. The LM head runs on chunks of positions
+        under activation checkpointing, so no (B, T, V) tensor exists in the forward or the backward."""
+        hidden, head = self._completion_hidden_states(model, inputs)
+        batch, length = hidden.shape[:2]
+        targets = inputs["completion_ids"].reshape(-1)
+        hidden = hidden.reshape(batch * length, -1)
+        old_flat = None if old is None else [x.reshape(batch * length, *x.shape[2:]) for x in old]
+        chunk = max(1, _HEAD_CHUNK_ELEMENTS // head.weight.size(0))
+
+        def score(h: torch.Tensor, target: torch.Tensor, *old_chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            logprobs = torch.log_softmax(head(h).float() / self.temperature, dim=-1)  # (chunk, V): the only such tensor
+            logp = logprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+            entropy = -(logprobs.exp() * logprobs).sum(-1)
+            if old_chunk:
+                indices, top, tail = old_chunk
+                return logp, entropy, topk_kl(TopKLogProbs(indices.long(), top, tail), logprobs)
+            return (logp, entropy, *(topk_logprobs(logprobs.detach(), k) if k else ()))
+
+        outputs = []
+        for start in range(0, batch * length, chunk):
+            args = (hidden[start:start + chunk], targets[start:start + chunk],
+                    *(x[start:start + chunk] for x in old_flat or ()))
+            if torch.is_grad_enabled():  # recompute the chunk's logits in the backward instead of keeping them
+                outputs.append(torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False))
+            else:
+                outputs.append(score(*args))
+        columns = [torch.cat(c).reshape(batch, length, *c[0].shape[1:]) for c in zip(*outputs, strict=True)]
+        logps, entropies, *rest = columns
+        if k:
+            return logps, entropies, TopKLogProbs(*rest)
+        return logps, entropies, rest[0] if rest else None
+
+    def _completion_hidden_states(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """The final hidden states that predict the completion tokens (B, T, H), and the LM head. The model is
+        called as a whole (DDP / PEFT wrappers see their forward) with `logits_to_keep=1`; a hook on its backbone
+        catches the hidden states."""
+        causal_lm = self.accelerator.unwrap_model(model)
+        if hasattr(causal_lm, "get_base_model"):  # PEFT: the transformers model, its adapters injected in place
+            causal_lm = causal_lm.get_base_model()
+        config = causal_lm.config.get_text_config()
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
+            raise ValueError("truly_ppo's chunked full-vocabulary KL supports plain LM heads (no logit softcapping or "
+                             f"scaling); model {config.model_type!r} has them")
+        captured: list[torch.Tensor] = []
+        hook = causal_lm.base_model.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
         input_ids, attention_mask = _prompt_and_completion(inputs)
-        with self.accelerator.autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=n + 1).logits
-        full = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-        logps = full.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-        entropies = -(full.exp() * full).sum(-1)
-        return logps, entropies, full
+        try:
+            with self.accelerator.autocast():
+                model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
+        finally:
+            hook.remove()
+        n = inputs["completion_ids"].size(1)
+        return captured[-1][:, -n - 1:-1], causal_lm.get_output_embeddings()
 
     def _token_weights(self, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -535,6 +608,19 @@ _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
+
+
+# truly_ppo: pi_old's top-k summary in the generation batch (split per micro-batch like every (B, ...) tensor)
+_OLD_TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
+# Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
+_HEAD_CHUNK_ELEMENTS = 2**23
+
+
+def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """`inputs` cut into consecutive slices of `size` completions (the tensors the forward reads)."""
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    total = inputs["completion_ids"].size(0)
+    return [{key: inputs[key][start:start + size] for key in keys} for start in range(0, total, size)]
 
 
 def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
