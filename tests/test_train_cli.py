@@ -175,6 +175,9 @@ def test_paper_recipe_wiring_with_dapo_rows(tiny_model_path, tmp_path):
     assert {"sft", "eval_before", "rl", "eval_after", "total"} <= set(summary["seconds"])
     assert json.loads((out / "summary.json").read_text()) == summary
     assert (out / "rl" / "final" / "adapter_config.json").is_file()  # LoRA adapter, as in the paper
+    # ... on the SFT model, which loading it (--resume, trustclip eval) must find: not the model SFT started from
+    adapter = json.loads((out / "rl" / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((out / "sft" / "final").resolve())
     assert (out / "sft" / "final" / "config.json").is_file()  # SFT adapter merged into full weights
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in lines if r["stage"] == "rl" and "loss" in r]

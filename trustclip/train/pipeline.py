@@ -156,6 +156,9 @@ def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
     if run.main:
         model.save_pretrained(str(folder))
         tokenizer.save_pretrained(str(folder))
+    # The saved folder is now the model's origin: a LoRA adapter trained on it (RL) records it as its base model,
+    # not the checkpoint SFT started from (peft reads `name_or_path`).
+    model.name_or_path = str(folder.resolve())
     run.dist.wait_for_everyone()
 
 
