@@ -9,14 +9,21 @@ Sources understood by `load_prompts`:
 Field names are configurable (`problem_key`, `answer_key`, `id_key`). The verl/DAPO-Math-17k hub layout
 (`prompt` = list of chat messages, `reward_model.ground_truth`, `extra_info.index`) is recognised when
 the problem field is absent; DAPO's own "Answer:" instruction wrapper is stripped from the problem, since
-our templates add the `\\boxed{}` instruction. Every record is validated while loading, so a malformed
-file fails with `DataFormatError` naming the file and line before any training starts.
+our templates add the `\\boxed{}` instruction. The GSM8K layout (`answer` = worked solution, then `#### N`; the
+problem in `question` when the problem field is absent, as in the hub's openai/gsm8k) is recognised too: the answer
+becomes N and, unless the record has one, `solution` the worked solution (calculator annotations `<<...>>` removed)
+ending in `\\boxed{N}`: an SFT target in the format the reward requires. Every record is validated while loading,
+so a malformed file fails with `DataFormatError` naming the file and line before any training starts.
+
+Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
+`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,8 @@ DAPO_PREFIX = (
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+GSM8K_ANSWER = re.compile(r"\n#### ([^\n]+?)\s*$")  # GSM8K's answer field: worked solution, then "#### N"
+GSM8K_CALCULATOR = re.compile(r"<<[^>]*>>")
 
 
 class DataFormatError(ValueError):
@@ -74,6 +83,7 @@ def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[
 
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
+        spec, _, query = spec.partition("?")
         if spec == "builtin":
             pairs = [(name, BUILTIN_PREFIX + name) for name in DEFAULT_EVAL_SPLITS]
         elif "=" in spec:
@@ -86,8 +96,29 @@ def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[
         for name, source in pairs:
             if name in out:
                 raise ValueError(f"benchmark name {name!r} given twice")
-            out[name] = load_prompts(source, **kwargs)
+            if not query:
+                out[name] = load_prompts(source, **kwargs)
+                continue
+            limit = kwargs.get("limit")
+            rows = _select(load_prompts(source, **(kwargs | {"limit": None})), query, f"{spec}?{query}")
+            out[name] = rows[:limit] if limit is not None else rows
     return out
+
+
+def _select(rows: list[dict[str, Any]], query: str, spec: str) -> list[dict[str, Any]]:
+    """The rows whose `field` is one of the values of a `field=v1,v2` query (compared as text)."""
+    field, sep, values = query.partition("=")
+    wanted = {v.strip() for v in values.split(",") if v.strip()}
+    if not sep or not field.strip() or not wanted:
+        raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=SOURCE?FIELD=VALUE[,VALUE...]")
+    field = field.strip()
+    if not any(field in r for r in rows):
+        fields = ", ".join(sorted(rows[0]))
+        raise ValueError(f"benchmark spec {spec!r}: no row has a field {field!r} (fields: {fields})")
+    kept = [r for r in rows if str(r.get(field)) in wanted]
+    if not kept:
+        raise ValueError(f"benchmark spec {spec!r}: no row has {field} in {sorted(wanted)}")
+    return kept
 
 
 def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
@@ -216,18 +247,24 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     dapo = problem_key not in record and _is_dapo(record)
     problem = _dapo_problem(record["prompt"]) if dapo else record.get(problem_key)
     answer = record["reward_model"].get("ground_truth") if dapo and answer_key not in record else record.get(answer_key)
+    gsm8k = GSM8K_ANSWER.search(answer) if isinstance(answer, str) else None
+    if gsm8k and problem is None:  # the hub's GSM8K names its problem field `question`
+        problem, problem_key = record.get("question"), "question"
     for key, value in ((problem_key, problem), (answer_key, answer)):
         if value is None:
             present = ", ".join(sorted(record)) or "none"
             raise DataFormatError(f"{where}: missing field {key!r} (fields present: {present})")
     if not isinstance(problem, str) or not problem.strip():
         raise DataFormatError(f"{where}: field {problem_key!r} must be a non-empty string, got {problem!r}")
-    answer = _answer_to_str(answer, where, answer_key)
+    answer = _answer_to_str(gsm8k.group(1) if gsm8k else answer, where, answer_key)
     rid = record.get(id_key)
     if rid is None and dapo and isinstance(record.get("extra_info"), dict):
         rid = record["extra_info"].get("index")
     dropped = {problem_key, answer_key, id_key, "prompt", "reward_model"} if dapo else {problem_key, answer_key, id_key}
     extras = {k: v for k, v in record.items() if k not in dropped and isinstance(v, str | int | float | bool)}
+    if gsm8k and "solution" not in extras:
+        worked = GSM8K_CALCULATOR.sub("", record[answer_key][: gsm8k.start()]).strip()
+        extras["solution"] = f"{worked}\nThe final answer is \\boxed{{{answer}}}."
     return {
         **extras,
         "id": str(default_id if rid is None else rid),
