@@ -98,8 +98,7 @@ def test_bad_k_and_vocabulary_raise():
 
 
 # ------------------------------------------------------------------ the trainer's chunked LM-head path
-@pytest.fixture(scope="module")
-def truly_trainer(tiny_model_path, tmp_path_factory):
+def make_truly_trainer(tiny_model_path, tmp_path, storage):
     pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -108,9 +107,9 @@ def truly_trainer(tiny_model_path, tmp_path_factory):
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     args = TrustClipGRPOConfig(
-        output_dir=str(tmp_path_factory.mktemp("truly")), max_steps=1, per_device_train_batch_size=4,
-        num_generations=2, max_completion_length=6, num_iterations=2, objective="truly_ppo", temperature=0.7,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", full_kl_topk=8,
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=6, num_iterations=2, objective="truly_ppo", temperature=0.7, use_cpu=True, bf16=False,
+        report_to="none", save_strategy="no", full_kl_storage=storage, full_kl_topk=8,
         activation_checkpointing=False, gradient_checkpointing=None,
     )
     dataset = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 4)
@@ -138,58 +137,60 @@ def _direct(model, inputs, temperature):
     return torch.log_softmax(logits.float() / temperature, -1)
 
 
-def test_chunked_forward_equals_the_full_logits_path(truly_trainer, monkeypatch):
-    """Log-probs, entropies, the stored summary, KL_k and its gradient equal the plain (B, T, V) computation, with
-    the LM head split into many chunks (2 positions each)."""
+@pytest.mark.parametrize("storage", ["hidden", "topk"])
+def test_chunked_forward_equals_the_full_logits_path(tiny_model_path, tmp_path, monkeypatch, storage):
+    """Old log-probs, entropies, the KL to pi_old (exact from the stored hidden states, or KL_k from the stored top-k)
+    and its gradient equal the plain (B, T, V) computation, with the LM head split into many chunks (2 positions
+    each), after an update of every weight (the LM head included: pi_old's head must be a frozen copy)."""
     import trustclip.trainers.trl_trainer as module
 
-    trainer, model = truly_trainer, truly_trainer.model
+    trainer = make_truly_trainer(tiny_model_path, tmp_path, storage)
+    model = trainer.model
     inputs = _batch(trainer.processing_class)
-    vocab = model.get_output_embeddings().weight.size(0)
-    monkeypatch.setattr(module, "_HEAD_CHUNK_ELEMENTS", 2 * vocab)
+    monkeypatch.setattr(module, "_HEAD_CHUNK_ELEMENTS", 2 * model.get_output_embeddings().weight.size(0))
+    logps, stored = trainer._old_policy(inputs)
     with torch.no_grad():
         old_full = _direct(model, inputs, trainer.temperature)
-        logps, entropies, summary = trainer._full_vocab_forward(model, inputs, k=8)
-    targets = inputs["completion_ids"].unsqueeze(-1)
-    torch.testing.assert_close(logps, old_full.gather(-1, targets).squeeze(-1))
+        _, entropies, _ = trainer._full_vocab_forward(model, inputs)
+    torch.testing.assert_close(logps, old_full.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(entropies, -(old_full.exp() * old_full).sum(-1))
-    expected = topk_logprobs(old_full, 8)
-    assert torch.equal(summary.indices, expected.indices)
-    torch.testing.assert_close(summary.tail_logprob, expected.tail_logprob)
+    if storage == "topk":
+        expected = topk_logprobs(old_full, 8)
+        assert stored["old_topk_indices"].dtype == torch.int32
+        assert torch.equal(stored["old_topk_indices"].long(), expected.indices)
+        torch.testing.assert_close(stored["old_tail_logps"], expected.tail_logprob)
+    else:
+        assert stored["old_hidden_states"].shape == (3, 7, model.config.hidden_size)
 
     with torch.no_grad():  # a different current policy
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    try:
-        _, _, kl = trainer._full_vocab_forward(model, inputs, old=summary)
-        weights = torch.rand(kl.shape, generator=torch.Generator().manual_seed(3))
-        grads = torch.autograd.grad((kl * weights).sum(), list(model.parameters()))
-        new_full = _direct(model, inputs, trainer.temperature)
-        reference = topk_kl(expected, new_full)
-        reference_grads = torch.autograd.grad((reference * weights).sum(), list(model.parameters()))
-    finally:
-        model.zero_grad()
+    _, _, kl = trainer._full_vocab_forward(model, inputs, old=stored)
+    weights = torch.rand(kl.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad((kl * weights).sum(), list(model.parameters()))
+    new_full = _direct(model, inputs, trainer.temperature)
+    reference = topk_kl(expected, new_full) if storage == "topk" else exact_kl(old_full, new_full)
+    reference_grads = torch.autograd.grad((reference * weights).sum(), list(model.parameters()))
     torch.testing.assert_close(kl, reference)
     assert (kl > 0).all()
     for got, want in zip(grads, reference_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_generation_batch_carries_the_summary_not_the_full_distribution(truly_trainer):
-    """The old pass stores k indices (int32), k log-probs and a tail per position, and the old log-probs come from
-    the same path (ratio exactly 1 before the first update)."""
-    trainer = truly_trainer
+def test_old_log_probs_come_from_the_scoring_path(tiny_model_path, tmp_path):
+    """The old pass yields the log-probs the loss recomputes (ratio exactly 1 before the first update)."""
+    trainer = make_truly_trainer(tiny_model_path, tmp_path, "hidden")
     inputs = _batch(trainer.processing_class)
-    logps, summary = trainer._old_topk(inputs)
-    assert summary.indices.dtype == torch.int32 and summary.indices.shape == (3, 7, 8)
-    assert summary.logprobs.shape == (3, 7, 8) and summary.tail_logprob.shape == (3, 7)
+    logps, _ = trainer._old_policy(inputs)
     again, _, _ = trainer._full_vocab_forward(trainer.model, inputs)
     assert torch.equal(logps, again.detach())
 
 
-def test_bad_topk_names_the_value(tmp_path):
+def test_bad_storage_and_topk_name_the_value(tmp_path):
     pytest.importorskip("trl")
     from trustclip.trainers import TrustClipGRPOConfig
 
     with pytest.raises(ValueError, match="full_kl_topk=0"):
         TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, full_kl_topk=0)
+    with pytest.raises(ValueError, match="full_kl_storage='full'"):
+        TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, full_kl_storage="full")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-DEFAULT_TOPK = 64
+DEFAULT_TOPK = 256
 
 
 class TopKLogProbs(NamedTuple):

@@ -23,6 +23,7 @@ objective reduces to the plain policy gradient; the trainer warns loudly at star
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -45,13 +46,21 @@ from trustclip.objectives import (
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
-from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, topk_kl, topk_logprobs
+from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, exact_kl, topk_kl, topk_logprobs
 from trustclip.trainers import metric_names as names
 
 logger = logging.getLogger(__name__)
 
 # TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
 _SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+
+# truly_ppo: what the generation batch keeps of pi_old per completion token (split per micro-batch like every (B, ...)
+# tensor), per `full_kl_storage`
+FULL_KL_STORAGES = ("hidden", "topk")
+_OLD_HIDDEN_KEYS = ("old_hidden_states",)
+_OLD_TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
+# Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
+_HEAD_CHUNK_ELEMENTS = 2**23
 
 
 @dataclass
@@ -86,11 +95,16 @@ class TrustClipGRPOConfig(GRPOConfig):
             the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
             batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
             groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
-        full_kl_topk (`int`, defaults to `64`):
-            Objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep pi_old per token as its
-            top-k log-probs plus the tail mass (8 k + 4 bytes instead of 4 V) and use the KL of the coarse-grained
-            distributions, a lower bound of the exact KL that is low by the tail mass times the KL within the tail
-            (`trustclip.objectives.topk_kl`). k >= V - 1 keeps the whole distribution (exact).
+        full_kl_storage (`str`, defaults to `"hidden"`):
+            What objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep of pi_old per completion
+            token, instead of its whole log-softmax (4 V bytes per token). `"hidden"`: the final hidden state (the LM
+            head's input, 4 H bytes; plus one frozen copy of the head per generation batch when the head trains),
+            from which pi_old's logits are recomputed chunk by chunk: the KL is exact. `"topk"`: the `full_kl_topk`
+            largest log-probs plus the tail mass (8 k + 4 bytes), and the KL of the coarse-grained distributions: a
+            lower bound, low by the tail mass times the KL within the tail (`trustclip.objectives.topk_kl`); the
+            smaller when H is large and completions long.
+        full_kl_topk (`int`, defaults to `256`):
+            k of `full_kl_storage="topk"`; k >= V - 1 keeps the whole distribution (exact).
     """
 
     objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
@@ -113,9 +127,13 @@ class TrustClipGRPOConfig(GRPOConfig):
         default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
                                          "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
     )
+    full_kl_storage: str = field(
+        default="hidden", metadata={"help": "truly_ppo: what is kept of pi_old per token for the full-vocabulary KL: "
+                                            "'hidden' (final hidden state; exact KL) or 'topk' (top-k + tail mass)."}
+    )
     full_kl_topk: int = field(
-        default=DEFAULT_TOPK, metadata={"help": "truly_ppo: old-policy tokens kept per position for the full-"
-                                                "vocabulary KL (top-k plus tail mass; >= V - 1 is exact)."}
+        default=DEFAULT_TOPK, metadata={"help": "k of full_kl_storage='topk' (old-policy tokens kept per position; "
+                                                ">= V - 1 is exact)."}
     )
 
     def __post_init__(self) -> None:
@@ -138,6 +156,9 @@ class TrustClipGRPOConfig(GRPOConfig):
             )
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
+        if self.full_kl_storage not in FULL_KL_STORAGES:
+            raise ValueError(f"full_kl_storage={self.full_kl_storage!r} is invalid; valid: "
+                             f"{', '.join(FULL_KL_STORAGES)}")
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
         if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
@@ -200,6 +221,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             self.aggregation, self.advantage_estimator = "dr_grpo", None
         self.objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
+        self._old_heads: dict[str, Any] = {}  # truly_ppo with hidden-state storage: pi_old's LM head per mode
         super().__init__(model, reward_funcs, args, **kwargs)
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
@@ -234,10 +256,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if skip:
             output = self.drop_zero_advantage(output)
         if full_kl and "old_per_token_logps" in output:
-            # pi_old's log-probs and top-k summary from the code path that scores the current policy (ratio 1 exactly
-            # before the first update)
-            output["old_per_token_logps"], summary = self._old_topk(output)
-            output |= dict(zip(_OLD_TOPK_KEYS, summary, strict=True))
+            # pi_old's log-probs and what the KL needs of it, from the code path that scores the current policy
+            # (ratio 1 exactly before the first update)
+            output["old_per_token_logps"], stored = self._old_policy(output)
+            output |= stored
         elif deferred and "old_per_token_logps" in output:
             output["old_per_token_logps"] = self._old_logps(output)
         return output
@@ -378,9 +400,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         """(logps, entropies, aux_loss, extras) of the current policy on the completions."""
         extras: dict[str, torch.Tensor] = {}
         if "full_kl" in self.objective.requires:
-            old = TopKLogProbs(*(inputs[key] for key in _OLD_TOPK_KEYS)) if _OLD_TOPK_KEYS[0] in inputs else None
+            old = {key: inputs[key] for key in self._old_keys()} if self._old_keys()[0] in inputs else None
             logps, entropies, kl = self._full_vocab_forward(model, inputs, old=old)
-            # KL_k(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
+            # KL(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
             extras["full_kl"] = torch.zeros_like(logps) if kl is None else kl
             aux_loss = None
         else:
@@ -391,62 +413,88 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return logps, entropies, aux_loss, extras
 
     # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
-    def _old_topk(self, output: dict[str, Any]) -> tuple[torch.Tensor, TopKLogProbs]:
-        """pi_old's log-probs of the completions and its top-k summary per position (no gradient), in the same
-        micro-batch forwards as `_old_logps`."""
+    def _old_keys(self) -> tuple[str, ...]:
+        """Keys of what the generation batch keeps of pi_old per completion token (split per micro-batch by TRL)."""
+        return _OLD_TOPK_KEYS if getattr(self.args, "full_kl_storage", "hidden") == "topk" else _OLD_HIDDEN_KEYS
+
+    def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """pi_old's log-probs of the completions and what the loss needs of its full distribution per position (no
+        gradient; `full_kl_storage`), in the same micro-batch forwards as `_old_logps`. With the hidden states, pi_old's
+        LM head is kept too: the live one when it is frozen (LoRA), else a frozen copy."""
         chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
-        k = self.args.full_kl_topk if isinstance(self.args, TrustClipGRPOConfig) else DEFAULT_TOPK
-        parts = []
+        logps, stored = [], []
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for rows in _row_slices(output, chunk):
-                logps, _, summary = self._full_vocab_forward(self.model, rows, k=k)
-                parts.append((logps, summary))
-        logps = torch.cat([p[0] for p in parts])
-        summary = TopKLogProbs(*(torch.cat(x) for x in zip(*(p[1] for p in parts), strict=True)))
-        return logps, summary._replace(indices=summary.indices.to(torch.int32))  # half the memory of int64
+                logp, _, kept = self._full_vocab_forward(self.model, rows, keep=True)
+                logps.append(logp)
+                stored.append(kept)
+        if self._old_keys() == _OLD_HIDDEN_KEYS:
+            head = self._output_head(self.model)
+            trains = any(p.requires_grad for p in head.parameters())
+            self._old_heads["train" if self.model.training else "eval"] = (
+                copy.deepcopy(head).requires_grad_(False) if trains else head)
+        return torch.cat(logps), {key: torch.cat([s[key] for s in stored]) for key in self._old_keys()}
 
-    def _full_vocab_forward(self, model: Any, inputs: dict[str, Any], *, old: TopKLogProbs | None = None,
-                            k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Per completion token, at the sampling temperature: log-prob, entropy, and KL_k(pi_old || pi) against
-        `old` (None without it), or with `k` this policy's top-k summary. The LM head runs on chunks of positions
-        under activation checkpointing, so no (B, T, V) tensor exists in the forward or the backward."""
+    def _full_vocab_forward(self, model: Any, inputs: dict[str, Any], *, old: dict[str, torch.Tensor] | None = None,
+                            keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Per completion token, at the sampling temperature: log-prob, entropy, and a third item: with `old` (what
+        `_old_policy` kept) KL(pi_old || pi) per token; with `keep` what to keep of this policy (a dict); else None.
+        The LM head runs on chunks of positions under activation checkpointing, so no (B, T, V) tensor exists in the
+        forward or the backward; pi_old's logits are recomputed per chunk from its hidden states (exact), or its
+        top-k summary gives KL_k (`trustclip.objectives.topk_kl`)."""
         hidden, head = self._completion_hidden_states(model, inputs)
         batch, length = hidden.shape[:2]
-        targets = inputs["completion_ids"].reshape(-1)
-        hidden = hidden.reshape(batch * length, -1)
-        old_flat = None if old is None else [x.reshape(batch * length, *x.shape[2:]) for x in old]
-        chunk = max(1, _HEAD_CHUNK_ELEMENTS // head.weight.size(0))
+        topk = self._old_keys() == _OLD_TOPK_KEYS
+        k = getattr(self.args, "full_kl_topk", DEFAULT_TOPK)
+        old_head = self._old_heads.get("train" if self.model.training else "eval")
 
         def score(h: torch.Tensor, target: torch.Tensor, *old_chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            logprobs = torch.log_softmax(head(h).float() / self.temperature, dim=-1)  # (chunk, V): the only such tensor
+            logprobs = torch.log_softmax(head(h).float() / self.temperature, dim=-1)  # (chunk, V)
             logp = logprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
             entropy = -(logprobs.exp() * logprobs).sum(-1)
-            if old_chunk:
+            if old_chunk and topk:
                 indices, top, tail = old_chunk
                 return logp, entropy, topk_kl(TopKLogProbs(indices.long(), top, tail), logprobs)
-            return (logp, entropy, *(topk_logprobs(logprobs.detach(), k) if k else ()))
+            if old_chunk:
+                with torch.no_grad():
+                    old_logprobs = torch.log_softmax(old_head(old_chunk[0]).float() / self.temperature, dim=-1)
+                return logp, entropy, exact_kl(old_logprobs, logprobs)
+            if keep and topk:
+                return (logp, entropy, *topk_logprobs(logprobs.detach(), k))
+            return logp, entropy
 
+        flat = [hidden, inputs["completion_ids"], *(old[key] for key in self._old_keys())] if old else [
+            hidden, inputs["completion_ids"]]
+        flat = [x.reshape(batch * length, *x.shape[2:]) for x in flat]
+        chunk = max(1, _HEAD_CHUNK_ELEMENTS // head.weight.size(0))
         outputs = []
         for start in range(0, batch * length, chunk):
-            args = (hidden[start:start + chunk], targets[start:start + chunk],
-                    *(x[start:start + chunk] for x in old_flat or ()))
+            args = [x[start:start + chunk] for x in flat]
             if torch.is_grad_enabled():  # recompute the chunk's logits in the backward instead of keeping them
                 outputs.append(torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False))
             else:
                 outputs.append(score(*args))
-        columns = [torch.cat(c).reshape(batch, length, *c[0].shape[1:]) for c in zip(*outputs, strict=True)]
-        logps, entropies, *rest = columns
-        if k:
-            return logps, entropies, TopKLogProbs(*rest)
+        logps, entropies, *rest = [torch.cat(c).reshape(batch, length, *c[0].shape[1:])
+                                   for c in zip(*outputs, strict=True)]
+        if keep and topk:
+            return logps, entropies, dict(zip(_OLD_TOPK_KEYS, [rest[0].to(torch.int32), *rest[1:]], strict=True))
+        if keep:
+            return logps, entropies, {_OLD_HIDDEN_KEYS[0]: hidden.detach()}
         return logps, entropies, rest[0] if rest else None
+
+    def _causal_lm(self, model: Any) -> Any:
+        """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
+        causal_lm = self.accelerator.unwrap_model(model)
+        return causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
+
+    def _output_head(self, model: Any) -> Any:
+        return self._causal_lm(model).get_output_embeddings()
 
     def _completion_hidden_states(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
         """The final hidden states that predict the completion tokens (B, T, H), and the LM head. The model is
         called as a whole (DDP / PEFT wrappers see their forward) with `logits_to_keep=1`; a hook on its backbone
         catches the hidden states."""
-        causal_lm = self.accelerator.unwrap_model(model)
-        if hasattr(causal_lm, "get_base_model"):  # PEFT: the transformers model, its adapters injected in place
-            causal_lm = causal_lm.get_base_model()
+        causal_lm = self._causal_lm(model)
         config = causal_lm.config.get_text_config()
         if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
             raise ValueError("truly_ppo's chunked full-vocabulary KL supports plain LM heads (no logit softcapping or "
@@ -610,10 +658,6 @@ _MULTIMODAL_KEYS = (
 )
 
 
-# truly_ppo: pi_old's top-k summary in the generation batch (split per micro-batch like every (B, ...) tensor)
-_OLD_TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
-# Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
-_HEAD_CHUNK_ELEMENTS = 2**23
 
 
 def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
