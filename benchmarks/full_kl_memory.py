@@ -7,11 +7,12 @@
     policy-gradient updates of a LoRA adapter (r 32, alpha 64, Adam at `--lr`, random binary rewards, Dr.GRPO
     advantages): realistic RL steps, not pi == pi_old. Per valid completion token: max and mean |KL_approx - KL|,
     next to the size of the exact KL itself and of pi_old's tail mass.
-(b) Peak memory and time of one generation batch (two updates, num_iterations 2) with truly_ppo (each storage)
-    against the same with kl3 (ATR-GRPO, TRL's fused log-prob path), same real-model LoRA configuration,
-    completions forced to the full length. Each in a fresh subprocess, one after the other: peak RSS (VmHWM, reset
-    through /proc/self/clear_refs once the model and trainer are built, so it is the training's peak). `--exact`
-    adds top-k storage with k = V - 1 (the whole distribution stored: what exact storage of pi_old would cost).
+(b) Peak memory and time of one generation batch (two updates, num_iterations 2; micro-batches of `--micro-batch`
+    completions) with truly_ppo (each storage) against the same with kl3 (ATR-GRPO, TRL's fused log-prob path), same
+    real-model LoRA configuration, completions forced to the full length. Each in a fresh subprocess, one after the
+    other: peak RSS (VmHWM, reset through /proc/self/clear_refs once the model and trainer are built, so it is the
+    training's peak). `--exact` adds top-k storage with k = V - 1 (the whole distribution stored: what exact storage
+    of pi_old would cost).
 
     nice -n 15 python benchmarks/full_kl_memory.py [--part error|memory|all] [--ks 8,16,32,64,128,256]
 
@@ -139,7 +140,8 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
     config = TrustClipGRPOConfig(
         output_dir=f"/tmp/full_kl_memory-{objective}", objective=objective, full_kl_storage=storage,
         full_kl_topk=vocab - 1 if topk == -1 else topk, max_steps=2, num_iterations=2,
-        per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+        per_device_train_batch_size=args.micro_batch, num_generations=args.group,
+        gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
         max_completion_length=args.max_tokens, generation_kwargs={"min_new_tokens": args.max_tokens},
         temperature=args.temperature, learning_rate=2e-4, use_cpu=True, bf16=False, report_to="none",
         save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, activation_checkpointing=False,
@@ -172,7 +174,7 @@ def memory_part(args) -> None:
     results = {}
     for objective, storage, topk, label in runs:
         cmd = [sys.executable, HERE, "--worker", objective, "--storage", storage, "--topk", str(topk),
-               "--prompts", str(args.prompts),
+               "--prompts", str(args.prompts), "--micro-batch", str(args.micro_batch),
                "--group", str(args.group), "--max-tokens", str(args.max_tokens), "--temperature",
                str(args.temperature), *(["--threads", str(args.threads)] if args.threads else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -198,6 +200,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion length")
+    parser.add_argument("--micro-batch", type=int, default=8, help="(b) completions per forward / backward")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the KL's too)")
     parser.add_argument("--exact", action="store_true", help="(b) also truly_ppo storing the whole distribution")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -452,16 +452,14 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             logprobs = torch.log_softmax(head(h).float() / self.temperature, dim=-1)  # (chunk, V)
             logp = logprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
             entropy = -(logprobs.exp() * logprobs).sum(-1)
-            if old_chunk and topk:
+            if not old_chunk:
+                return (logp, entropy, *topk_logprobs(logprobs.detach(), k)) if keep and topk else (logp, entropy)
+            if topk:  # KL_k from pi_old's top-k log-probs and tail mass
                 indices, top, tail = old_chunk
                 return logp, entropy, topk_kl(TopKLogProbs(indices.long(), top, tail), logprobs)
-            if old_chunk:
-                with torch.no_grad():
-                    old_logprobs = torch.log_softmax(old_head(old_chunk[0]).float() / self.temperature, dim=-1)
-                return logp, entropy, exact_kl(old_logprobs, logprobs)
-            if keep and topk:
-                return (logp, entropy, *topk_logprobs(logprobs.detach(), k))
-            return logp, entropy
+            with torch.no_grad():  # pi_old's logits from its final hidden states, through its LM head: the exact KL
+                old_logprobs = torch.log_softmax(old_head(old_chunk[0]).float() / self.temperature, dim=-1)
+            return logp, entropy, exact_kl(old_logprobs, logprobs)
 
         flat = [hidden, inputs["completion_ids"], *(old[key] for key in self._old_keys())] if old else [
             hidden, inputs["completion_ids"]]
@@ -656,8 +654,6 @@ _MULTIMODAL_KEYS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
-
-
 
 
 def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
