@@ -156,11 +156,11 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:  # reset VmHWM: the peak below is the training's
         fh.write("5")
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
     logs = [h for h in trainer.state.log_history if "step_time" in h]
-    return {"peak": _status("VmHWM"), "before": before, "seconds": seconds,
+    return {"peak": _status("VmHWM"), "before": before, "seconds": seconds, "cpu_seconds": cpu,
             "step_times": [h["step_time"] for h in logs], "tokens": args.prompts * args.group * args.max_tokens}
 
 
@@ -183,8 +183,9 @@ def memory_part(args) -> None:
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = results[label]
         print(f"{label:<20} peak RSS {r['peak'] / 2**30:6.2f} GiB (model + trainer before training "
-              f"{r['before'] / 2**30:.2f} GiB); 2 updates of {r['tokens']} completion tokens in {r['seconds']:.0f}s "
-              f"(TRL step_time {', '.join(f'{s:.0f}' for s in r['step_times'])} s)", flush=True)
+              f"{r['before'] / 2**30:.2f} GiB); one batch of {r['tokens']} completion tokens, 2 updates: "
+              f"{r['seconds']:.0f} s wall, {r['cpu_seconds']:.0f} s CPU (TRL step_time "
+              f"{', '.join(f'{s:.0f}' for s in r['step_times'])} s)", flush=True)
     base = results["kl3"]["peak"]
     for label, r in results.items():
         if label != "kl3":
