@@ -91,7 +91,10 @@ def test_every_objective_trains(tiny, tmp_path, name):
         assert key in first, key  # logged when the batch is generated
     assert first["objective/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # first update: on-policy
     assert second["objective/kl3_mean"] > 0  # second update of the same batch: off-policy
-    if name in NO_HARD_CLIP:
+    if name == "unconstrained":  # the control: the ratio moves (offpolicy_frac) and nothing is ever clipped
+        assert second["objective/clip_frac"] == 0.0
+        assert second["objective/offpolicy_frac"] > 0
+    elif name in NO_HARD_CLIP:
         assert second["objective/clip_frac"] == 0.0
         stat = "objective/gate_weight_mean" if name == "sapo" else "objective/cov_selected_frac"
         assert 0 < second[stat] < 1
