@@ -62,6 +62,7 @@ TIGHT = {
     "aspo": {"epsilon_low": 0.01, "epsilon_high": 0.01}, "gspo": {"epsilon_low": 1e-5, "epsilon_high": 1e-5},
     "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -100.0, "clip_cov_ub": 100.0, "seed": 0},
     "kl_cov": {"kl_cov_ratio": 0.2},
+    "atr_seq": {"delta": 1e-10}, "atr_adaptive": {"delta": 1e-5, "delta_min": 1e-6},
 }
 NO_HARD_CLIP = {"sapo", "kl_cov"}  # soft gate / penalty only: clip fractions must stay exactly 0
 OBJECTIVES = [row["name"] for row in list_objectives() if row["name"] != "general"]

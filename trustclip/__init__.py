@@ -6,6 +6,7 @@ helpers (`verify_answer`, `pass_at_k`) are imported lazily so `import trustclip`
 
 from trustclip.objectives import (
     Constraint,
+    DeltaController,
     DivergenceConstraint,
     RatioInterval,
     aggregate,
@@ -33,7 +34,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Constraint", "DivergenceConstraint", "RatioInterval", "aggregate", "compute_advantages",
+    "Constraint", "DeltaController", "DivergenceConstraint", "RatioInterval", "aggregate", "compute_advantages",
     "compute_policy_loss", "compute_token_loss", "custom_divergence", "get_objective", "list_objectives",
     "pass_at_k", "ratio_bounds", "register_objective", "verify_answer",
 ]
