@@ -62,4 +62,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4f}"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.4f}" if abs(x - 1) >= 1e-3 else f"{x:.8f}"  # sequence-level regions (atr_seq, gspo) hug 1
