@@ -171,6 +171,9 @@ def test_batch_settings_it_cannot_control_are_refused(tmp_path):
                     num_iterations=1)
     with pytest.raises(ValueError, match=r"target_value=2 is outside the range of target='clip_frac'"):
         make_config(tmp_path, objective="atr_adaptive", objective_kwargs={"target": "clip_frac", "target_value": 2})
+    from trustclip import RatioInterval  # the window check must not trip a "general" objective given its constraint
+
+    assert make_config(tmp_path, objective="general", objective_kwargs={"constraint": RatioInterval(0.8, 1.2)})
 
 
 def test_sigkill_then_resume_continues_delta(tiny_model_path, tmp_path):

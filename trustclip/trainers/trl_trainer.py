@@ -159,7 +159,7 @@ class TrustClipGRPOConfig(GRPOConfig):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
             )
         if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            message = delta_control_error(self, get_objective(self.objective).name)
+            message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
             if message:
                 raise ValueError(message)
 
