@@ -1,12 +1,14 @@
 """`trustclip compare`: multi-seed comparison of objectives with everything else held fixed.
 
-    plan_runs  -> every (objective, sweep value, seed) with its full training config (plan.py)
+    plan_runs  -> every (objective or variant, sweep value, seed) with its full training config (plan.py)
     execute    -> resumable, parallel worker processes, one per run (runner.py, worker.py)
-    load_run / aggregate -> numbers of finished runs, mean / std over seeds (aggregate.py)
-    write_report -> report.md, results.json / .csv, curves.csv, figures (report.py)
+    load_run / aggregate -> numbers of finished runs, mean / std over seeds, per-run outcomes (aggregate.py)
+    write_report -> report.md (paired intervals against the reference group, see stats.py), results.json /
+                    .csv, curves.csv, figures (report.py)
 
 `run_compare(CompareSettings)` does all four; the settings are saved as `compare.json` in the output
-directory so that `--report-only` (or a rerun without `--objectives`) reuses them.
+directory so that `--report-only` (or a rerun without `--objectives`) reuses them. The reference group
+(`--reference`) is a report setting: it changes no run, and `--report-only --reference X` rebuilds the report.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from trustclip.compare.plan import (
     parse_seeds,
     parse_sweep,
     plan_runs,
+    resolve_reference,
 )
 from trustclip.compare.report import write_report
 from trustclip.compare.runner import ExecutionResult, check_changed, execute, is_finished
@@ -64,6 +67,7 @@ class CompareSettings:
     smooth: int | None = None
     share_sft: bool = True
     eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if that is 0
+    reference: str | None = None  # group the report compares against; None: the first clip group, else the first
 
     @classmethod
     def from_args(cls, args: Any) -> CompareSettings:
@@ -92,11 +96,14 @@ class CompareSettings:
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        reference = args.reference
+        if reference is None and args.objectives is None:
+            reference = saved.get("reference")  # the reused experiment's last reference
         return cls(output_dir=out, **experiment, jobs=args.jobs, threads_per_job=args.threads_per_job,
                    resume_partial=not args.restart_partial, redo_changed=args.redo_changed,
                    run_timeout=args.run_timeout,
                    dry_run=args.dry_run, report_only=args.report_only, progress_every=args.progress_every,
-                   pipeline=args.pipeline, smooth=args.smooth)
+                   pipeline=args.pipeline, smooth=args.smooth, reference=reference)
 
     def experiment(self) -> dict[str, Any]:
         """The part that defines the runs (saved to compare.json)."""
@@ -125,6 +132,10 @@ class CompareSettings:
         return plan_runs(labels, self.seeds, self.output_dir, sweep=parse_sweep(self.sweep),
                          hparams=parse_hparams(self.hparams, labels), base=base, share_sft=self.share_sft)
 
+    def reference_group(self, runs: list[RunSpec]) -> str:
+        """The reference group among the planned runs (raises ValueError naming the groups)."""
+        return resolve_reference(self.reference, [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"])
+
 
 def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str] | None = None,
                  say: Callable[[str], None] = print) -> dict[str, Path] | None:
@@ -145,7 +156,8 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
         return None
     groups = aggregate(records)
     paths = write_report(records, groups, settings.output_dir, settings=settings.experiment(), planned=runs,
-                         failed=failed, window=settings.smooth, sft_runs=sft_runs)
+                         failed=failed, window=settings.smooth, sft_runs=sft_runs,
+                         reference=settings.reference_group(runs))
     say(f"report: {paths['report']} ({len(records)}/{len(runs)} runs; {len(paths) - 4} figures)")
     return paths
 
@@ -160,10 +172,12 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     """Plan, run what is unfinished, report. Exit code: 0 all runs finished, 1 some failed or missing,
     130 interrupted."""
     runs = settings.plan()
+    reference = settings.reference_group(runs)  # a bad --reference fails before any run starts
     rl = [r for r in runs if r.kind == "rl"]
     sft = f" + {len(runs) - len(rl)} shared SFT runs" if len(rl) < len(runs) else ""
     say(f"compare: {len(rl)} runs ({len({r.group for r in rl})} objectives/settings x {len(settings.seeds)} seeds)"
         f"{sft} in {settings.output_dir}")
+    say(f"paired comparisons against: {reference}")
     if settings.dry_run:
         _print_plan(runs, say)
         return 0
@@ -173,7 +187,7 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         settings.output_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
             "experiment": settings.experiment(), **settings.experiment(), "base_config": settings.base_config(),
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.output_dir, jobs=settings.jobs, threads=settings.threads_per_job,
                          resume_partial=settings.resume_partial, redo_changed=settings.redo_changed,
@@ -186,5 +200,8 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         failed = dict(result.failed)
     else:
         failed = {}
+        saved = read_json(settings.output_dir / SETTINGS_FILE)
+        if isinstance(saved, dict) and saved.get("reference") != settings.reference:
+            write_json_atomic(settings.output_dir / SETTINGS_FILE, {**saved, "reference": settings.reference})
     build_report(settings, runs, failed, say)
     return 0 if all(is_finished(r) for r in runs) else 1
