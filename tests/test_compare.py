@@ -526,6 +526,27 @@ def test_changed_settings_are_not_mixed(fake_env):
     assert started(events(out, n)) == ["clip/seed0"]
 
 
+def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
+    """Two experiments in one pool: the second makes only its new objective's runs, starts them from the first's SFT
+    models, and reports the shared runs' numbers; each report stays in its own output directory."""
+    pool = fake_env.parent / "pool"
+    first = fake_settings(fake_env / "first", objectives=("clip", "atr"), seeds=(0, 1), runs_dir=str(pool))
+    assert run_compare(first, say=lambda s: None) == 0
+    assert (pool / "runs" / "clip" / "seed0" / "run_complete.json").is_file()
+    assert not (fake_env / "first" / "runs").exists()
+    second = fake_settings(fake_env / "second", objectives=("clip", "sapo"), seeds=(0, 1), runs_dir=str(pool))
+    assert run_compare(second, say=lambda s: None) == 0
+    assert started(events(fake_env / "second")) == ["sapo/seed0", "sapo/seed1"]
+    skipped = sorted(r["run"] for r in events(fake_env / "second") if r["event"] == "skip")
+    assert skipped == ["_sft/seed0", "_sft/seed1", "clip/seed0", "clip/seed1"]
+    for report in ("first", "second"):
+        results = json.loads((fake_env / report / "results.json").read_text())
+        clip = next(g for g in results["groups"] if g["group"] == "clip")
+        assert clip["final"]["average"]["mean@2"]["values"] == pytest.approx([average("clip", 0), average("clip", 1)])
+    saved = json.loads((fake_env / "second" / "compare.json").read_text())
+    assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
+
+
 def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     """SIGKILL the compare while its second run is in progress: the orphaned worker exits by itself, and the
     rerun skips the finished run and resumes the killed one (the trainer's resume) without other starts."""

@@ -37,7 +37,9 @@ from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"
-EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hparams", "share_sft", "eval_every")
+EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hparams", "share_sft", "eval_every",
+                   "runs_dir")
+DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 __all__ = ["CompareSettings", "ExecutionResult", "GroupResult", "RunDataError", "RunRecord", "RunSpec", "Sweep",
@@ -50,7 +52,7 @@ class CompareSettings:
 
     output_dir: Path
     objectives: list[str] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     sweep: str | None = None
@@ -68,6 +70,7 @@ class CompareSettings:
     share_sft: bool = True
     eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if that is 0
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first
+    runs_dir: str | None = None  # where the runs live (a pool several compares share); None: the output directory
 
     @classmethod
     def from_args(cls, args: Any) -> CompareSettings:
@@ -81,17 +84,19 @@ class CompareSettings:
                                               ("--config", args.config), ("--set", args.overrides),
                                               ("--sweep", args.sweep), ("--hparam", args.hparam),
                                               ("--no-share-sft", args.no_share_sft),
-                                              ("--eval-every", args.eval_every)) if value]
+                                              ("--eval-every", args.eval_every),
+                                              ("--runs-dir", args.runs_dir)) if value]
             if given:
                 raise ValueError(f"{', '.join(given)} change(s) the experiment: give --objectives too "
                                  f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
             experiment = {k: saved[k] for k in EXPERIMENT_KEYS if k in saved}
         else:
             experiment = {"objectives": parse_objectives(args.objectives),
-                          "seeds": parse_seeds(3 if args.seeds is None else args.seeds, args.seed_list),
+                          "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
                           "config": args.config,
                           "overrides": list(args.overrides), "sweep": args.sweep, "hparams": list(args.hparam),
-                          "share_sft": not args.no_share_sft, "eval_every": args.eval_every}
+                          "share_sft": not args.no_share_sft, "eval_every": args.eval_every,
+                          "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
         for name in ("jobs", "threads_per_job", "smooth"):
             value = getattr(args, name)
             if value is not None and value < 1:
@@ -129,8 +134,15 @@ class CompareSettings:
             base = saved.get("base_config")  # the recipe file may have changed since; the runs have not
         if base is None:
             base = self.base_config()
-        return plan_runs(labels, self.seeds, self.output_dir, sweep=parse_sweep(self.sweep),
+        return plan_runs(labels, self.seeds, self.runs_root, sweep=parse_sweep(self.sweep),
                          hparams=parse_hparams(self.hparams, labels), base=base, share_sft=self.share_sft)
+
+    @property
+    def runs_root(self) -> Path:
+        """The directory whose `runs/` holds the runs: `runs_dir` when several compares share a pool (a run with the
+        same settings is then made once, and every compare of the pool starts RL from the same SFT model per seed),
+        else the output directory."""
+        return Path(self.runs_dir) if self.runs_dir else self.output_dir
 
     def reference_group(self, runs: list[RunSpec]) -> str:
         """The reference group among the planned runs (raises ValueError naming the groups)."""
