@@ -76,7 +76,7 @@ def test_overrides_and_clear_errors(tmp_path):
     assert config.data.eval == ["a=x.jsonl"] and config.stages == ["rl", "eval"]
     with pytest.raises(ValueError, match="rl.learning_rat"):
         load_config(None, ["rl.learning_rat=1e-5"])
-    with pytest.raises(ValueError, match="rl.max_steps: expected an integer, got 'many'"):
+    with pytest.raises(ValueError, match="rl.max_steps='many' is invalid: input should be a valid integer"):
         load_config(None, ["rl.max_steps=many"])
     with pytest.raises(ValueError, match="rl.temperature=0.0 is invalid"):
         load_config(None, ["rl.temperature=0"])

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
 from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import default_window as plot_window
 from trustclip.train.plots import series_from_rows, smooth
-from trustclip.trainers import metric_names as names
 
 AVERAGE = "average"
 EVAL_PREFIX = "eval/"

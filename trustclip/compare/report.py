@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trustclip import metric_names as names
 from trustclip.compare.aggregate import (
     AVERAGE,
     OFFPOLICY,
@@ -50,7 +51,6 @@ from trustclip.compare.stats import (
     stat,
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
-from trustclip.trainers import metric_names as names
 
 FIGURES = "figures"
 OUTCOME = {o.key: o for o in OUTCOMES}

@@ -33,12 +33,12 @@ _FAILED = ("trustclip verl plugin: %s failed (%s: %s); verl will report the trus
 try:  # verl logs plugin import errors only at DEBUG: make them visible first
     import torch
 
+    from trustclip.metric_names import VERL_NAMES, objective_name
     from trustclip.objectives import REGISTRY, Objective, get_objective, policy_metrics
     from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
     from trustclip.objectives.batch import PolicyBatch
     from trustclip.objectives.loss import compute_token_loss
     from trustclip.objectives.registry import ALIASES, TokenLoss
-    from trustclip.trainers.metric_names import VERL_NAMES, objective_name
 except Exception as _err:
     _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
     raise

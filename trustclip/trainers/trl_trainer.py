@@ -42,6 +42,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from trustclip import metric_names as names
 from trustclip.files import write_json_atomic
 from trustclip.objectives import (
     ADVANTAGE_ESTIMATORS,
@@ -55,7 +56,6 @@ from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES, controller_for
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
-from trustclip.trainers import metric_names as names
 
 logger = logging.getLogger(__name__)
 
