@@ -32,7 +32,7 @@ from trustclip.compare.plan import (
     resolve_reference,
 )
 from trustclip.compare.report import write_report
-from trustclip.compare.runner import ExecutionResult, check_changed, execute, is_finished
+from trustclip.compare.runner import ExecutionResult, check_changed, check_runs, execute, is_finished
 from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
@@ -185,6 +185,8 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     130 interrupted."""
     runs = settings.plan()
     reference = settings.reference_group(runs)  # a bad --reference fails before any run starts
+    if settings.pipeline is None:
+        check_runs(runs)  # every run as `trustclip train` checks it, before any starts (also with --dry-run)
     rl = [r for r in runs if r.kind == "rl"]
     sft = f" + {len(runs) - len(rl)} shared SFT runs" if len(rl) < len(runs) else ""
     say(f"compare: {len(rl)} runs ({len({r.group for r in rl})} objectives/settings x {len(settings.seeds)} seeds)"
