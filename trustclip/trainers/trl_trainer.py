@@ -1,8 +1,9 @@
 """TRL 1.16 `GRPOTrainer` with the policy loss replaced by any trustclip objective.
 
-Only `_compute_loss` is replaced (TRL's sanctioned extension point): generation, rewards, the fused
-LM-head log-prob path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and
-logging are TRL's. What the override keeps from TRL's own loss: the high-entropy token mask
+The loss (`_compute_loss`, TRL's extension point) is replaced; generation, rewards, the fused LM-head log-prob
+path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and logging are TRL's, with
+small hooks. Every private TRL name the subclass overrides or touches is listed in `trl_surface.py` and checked
+at start-up. What the override keeps from TRL's own loss: the high-entropy token mask
 (`top_entropy_quantile`), the off-policy sequence mask (`off_policy_mask_threshold`), vLLM importance
 weights, the k3 KL to a reference model (`beta`), the entropy bonus (static or adaptive), the MoE
 auxiliary loss, and the `clip_ratio/*` / `entropy` metric names.
@@ -56,6 +57,7 @@ from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES, controller_for
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
+from trustclip.trainers.trl_surface import check_trl_surface
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +224,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._delta_window = (0.0, 0.0)  # (statistic x tokens, tokens) of this generation batch's off-policy updates
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
         super().__init__(model, reward_funcs, args, **kwargs)
+        check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
         self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
