@@ -63,10 +63,10 @@ def _attributes(tree: ast.AST, owner: str) -> set[str]:
         if not isinstance(node, ast.Attribute):
             continue
         value = node.value
-        if not base and isinstance(value, ast.Name) and value.id == last:
-            found.add(node.attr)
-        elif (base and isinstance(value, ast.Attribute) and value.attr == last and isinstance(value.value, ast.Name)
-              and value.value.id == base[0]):
+        on_name = not base and isinstance(value, ast.Name) and value.id == last
+        on_attribute = (base and isinstance(value, ast.Attribute) and value.attr == last
+                        and isinstance(value.value, ast.Name) and value.value.id == base[0])
+        if on_name or on_attribute:
             found.add(node.attr)
     return found
 

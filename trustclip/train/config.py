@@ -460,7 +460,8 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
         raise FileNotFoundError(f"--resume: {out} holds no trustclip run ({saved_path.name} is missing)")
     saved = yaml_load(saved_path.read_text(encoding="utf-8"))
     saved_config = from_dict(TrainConfig, saved).to_dict()
-    merged = from_dict(TrainConfig, _merge_all(saved, {**explicit, "resume": True}))
+    # quiet is this command's choice, not the run's
+    merged = from_dict(TrainConfig, _merge_all({**saved, "quiet": False}, {**explicit, "resume": True}))
     conflicts = [f"{key}={get_dotted(merged.to_dict(), key)!r} (the run has {get_dotted(saved_config, key)!r})"
                  for key in _leaf_keys(explicit) if key.split(".")[0] not in RUN_CONTROL
                  and get_dotted(merged.to_dict(), key) != get_dotted(saved_config, key)]

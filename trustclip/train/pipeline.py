@@ -79,7 +79,8 @@ class Run:
 
 def prepare_output_dir(run: Run) -> None:
     """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
-    (and those of every stage downstream of them) are removed. Nothing else in output_dir is touched."""
+    (and those of every stage downstream of them) are removed, and config.yaml records the settings. Nothing
+    else in output_dir is touched."""
     config, out = run.config, run.out
     if not config.resume:
         stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
@@ -90,7 +91,7 @@ def prepare_output_dir(run: Run) -> None:
             run.state.pop(stage)
             if run.main:
                 _remove_stage_files(out, stage)
-    if run.main:
+    if run.main and not config.resume:  # a resumed run keeps the config.yaml it was started with
         import yaml
 
         write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
