@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import asdict
 
 from trustclip import theory
@@ -64,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
             check_figure_path(args.plot)
         for event in theory.EVENTS:
             theory.event_setting(event, args.delta)
-        rows = theory.theorem_table(etas=args.etas, **kwargs)
-        slopes = theory.fit_slopes(rows) if len(args.etas) > 1 else {}
+        with warnings.catch_warnings(record=True) as caught:  # shown below only if the table can be built
+            warnings.simplefilter("always")
+            rows = theory.theorem_table(etas=args.etas, **kwargs)
+            slopes = theory.fit_slopes(rows) if len(args.etas) > 1 else {}
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except ValueError as err:
         print(f"trustclip theory: error: {err}", file=sys.stderr)
         return 2
