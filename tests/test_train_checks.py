@@ -117,6 +117,7 @@ BAD_EVAL = {
     "k 0": (["--k", "0"], "eval.k=0 is invalid"),
     "missing benchmark": (["--benchmark", "x=missing.jsonl"], "data file not found"),
     "output is a file": (["--output", "{file}"], "is a file"),
+    "output under a file": (["--output", "{file}/sub"], "is a file, so the folder cannot be made"),
     "runs from two runs": (["--model", "{run_a}", "--model", "{run_b}"], "belong to different runs"),
 }
 

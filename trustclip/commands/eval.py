@@ -170,7 +170,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     device and the output folder."""
     import dataclasses
 
-    from trustclip.train.checks import check_benchmarks, check_device, check_model
+    from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
     from trustclip.train.stages import eval_config
 
     run_dir, models = resolve_run(args)
@@ -179,8 +179,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     config, notes = build_config(args, run_dir)
     check_benchmarks(config.data.eval)
     check_device(args.device)
-    if args.output is not None and args.output.exists() and not args.output.is_dir():
-        raise ValueError(f"--output {args.output} is a file; give a folder")
+    if args.output is not None:
+        check_writable_dir(args.output, "--output ")
     settings = eval_config(config)
     settings = dataclasses.replace(settings, top_k=args.top_k, show_progress=not args.no_progress)
     return run_dir, models, config, settings, notes

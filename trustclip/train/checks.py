@@ -60,13 +60,7 @@ def check_output_dir(config: TrainConfig) -> None:
     """output_dir is (or can be) a writable folder; with `resume`, it holds the run to continue, made with these
     settings (RUN_CONTROL aside)."""
     out = Path(config.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output_dir={config.output_dir!r} is a file; give a folder")
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise ValueError(f"output_dir={config.output_dir!r}: {existing} is a file, so the folder cannot be made")
-    if not os.access(existing, os.W_OK):
-        raise ValueError(f"output_dir={config.output_dir!r}: {existing} is not writable")
+    check_writable_dir(out, "output_dir=")
     if not config.resume:
         return
     saved = out / "config.yaml"
@@ -79,6 +73,17 @@ def check_output_dir(config: TrainConfig) -> None:
         details = "; ".join(f"{key}={get_dotted(now, key)!r} (the run has {_saved(before, key)!r})"
                             for key in changed)
         raise ValueError(f"resume: {details}: a resumed run keeps the settings it was started with ({saved})")
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """`path` is a folder, or one that can be made (its nearest existing parent is a writable folder)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option}{str(path)!r} is a file; give a folder")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{option}{str(path)!r}: {existing} is a file, so the folder cannot be made")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{option}{str(path)!r}: {existing} is not writable")
 
 
 def _saved(data: dict[str, Any], key: str) -> Any:
