@@ -24,6 +24,9 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
         "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
         "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
     ),
+    # transformers.Trainer's, also overridden by GRPOTrainer: the DeltaController's state rides with the optimizer's
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 # TRL methods the subclass calls -> their parameters it passes.
 CALLED_METHODS: dict[str, tuple[str, ...]] = {
@@ -40,6 +43,7 @@ ATTRIBUTES: dict[str, str] = {
     "eos_token_ids": "ids that end a completion (a completion without one was truncated)",
     "reward_funcs": "the reward functions (their verifier counters are logged)",
     "num_generations": "group size G (rloo rescaling)",
+    "num_iterations": "updates per generation batch (the DeltaController's window)",
     "max_completion_length": "L_max of the dr_grpo aggregation",
     "temperature": "sampling temperature (truly_ppo's full-vocabulary log-probs)",
     "beta": "KL-to-reference coefficient",
@@ -63,6 +67,7 @@ TRAINING_ATTRIBUTES: dict[str, str] = {
 CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps", "use_bias_correction_kl",
                  "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
                  "gradient_checkpointing_kwargs", "importance_sampling_level", "scale_rewards")
+CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass reads
 # Module-level helpers imported from TRL's internals: module -> names.
 FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",)}
 
@@ -92,6 +97,7 @@ def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:
                 if f"self.{name} =" not in trainer_source]
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     missing += [f"GRPOConfig field {name}" for name in CONFIG_FIELDS if name not in fields]
+    missing += [f"GRPOConfig property {name}" for name in CONFIG_PROPERTIES if not hasattr(GRPOConfig, name)]
     for module, names in FUNCTIONS.items():
         loaded = importlib.import_module(module)
         missing += [f"function {module}.{name}" for name in names if not hasattr(loaded, name)]
