@@ -36,6 +36,25 @@ def test_a_global_count_below_the_batch_is_an_error(kwargs, message):
     assert exact == local  # the count equal to the batch's is the batch alone
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "dr_grpo", "seq_mean_token_mean"])
+def test_global_counts_with_processes_give_the_big_batch_loss(aggregation):
+    """Two processes with unequal halves (DDP averages their losses): global counts + num_processes = 2."""
+    batch = _batch(b=2)
+    batch["mask"] = torch.ones(2, 24)
+    batch["mask"][1, 5:] = 0  # 24 + 5 valid tokens: one half holds most of them
+    whole, _ = tc.compute_policy_loss("clip", **batch, aggregation=aggregation, max_len=24)
+    halves = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
+    counts = {"num_tokens": 29} if aggregation == "token_mean" else {"num_sequences": 2}
+    shares = [tc.compute_policy_loss("clip", **h, aggregation=aggregation, max_len=24, num_processes=2, **counts)[0]
+              for h in halves]
+    torch.testing.assert_close((shares[0] + shares[1]) / 2, whole)
+    with pytest.raises(ValueError, match="num_processes must be an integer >= 1"):
+        tc.compute_policy_loss("clip", **batch, num_processes=0)
+    plain_sum, _ = tc.compute_policy_loss("clip", **batch, aggregation="seq_mean_token_sum", num_sequences=1)
+    per_sequence, _ = tc.compute_policy_loss("clip", **batch, aggregation="seq_mean_token_sum")
+    torch.testing.assert_close(plain_sum, 2 * per_sequence)  # num_sequences=1: the plain token sum (verl's)
+
+
 @pytest.mark.parametrize("name", ["token_weights", "full_kl", "entropy"])
 def test_negative_weights_and_divergences_are_errors(name):
     objective = {"full_kl": "truly_ppo", "entropy": "aspo"}.get(name, "clip")

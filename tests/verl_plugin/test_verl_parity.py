@@ -280,7 +280,7 @@ def test_through_verls_ppo_loss() -> None:
     loss, metrics = ppo_loss(config, model_output, data)
     expected, expected_metrics = compute_policy_loss(
         "kl3", logp=inputs.log_prob, old_logp=inputs.old_log_prob, advantages=inputs.advantages,
-        mask=inputs.response_mask, aggregation="token_mean", num_tokens=60,
+        mask=inputs.response_mask, aggregation="token_mean", num_tokens=120, num_processes=2,
     )
     assert_close(loss, expected)
     assert_close(grad(loss, inputs), grad(expected, inputs))

@@ -71,10 +71,11 @@ def _check_nonnegative(name: str, x: torch.Tensor | None, mask: torch.Tensor) ->
 
 
 def _check_global_count(name: str, value: float | None, local: float, what: str) -> None:
-    """A global denominator of the optimizer step counts this micro-batch too, so it cannot be smaller."""
+    """A global count of the optimizer step counts this micro-batch too, so it cannot be smaller."""
     if value is not None and float(value) < local:
         raise ValueError(f"{name}={value} is smaller than this batch's {local:g} {what}: it must be the global count "
-                         "of the optimizer step (every micro-batch and process), or None for this batch alone")
+                         "of the optimizer step (every micro-batch and process; with DDP also pass num_processes), "
+                         "or None for this batch alone")
 
 
 def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
@@ -116,23 +117,36 @@ def compute_policy_loss(
     max_len: int | None = None,
     num_tokens: float | None = None,
     num_sequences: float | None = None,
+    num_processes: int = 1,
     token_weights: torch.Tensor | None = None,
     **extra: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss of `objective` on one batch, and its metrics.
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation` is one of token_mean,
-    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`); `num_tokens` /
-    `num_sequences` are global denominators for faithful normalisation across gradient accumulation
-    and processes (see `trustclip.objectives.aggregation`). Raises ValueError on bad input.
+    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`). `num_tokens` / `num_sequences` are the
+    global counts of the optimizer step (every micro-batch on every process), for faithful normalisation across
+    gradient accumulation and processes (see `trustclip.objectives.aggregation`); a count below this batch's is an
+    error. `num_processes`: with DDP, which averages the processes' gradients, each returns num_processes times its
+    share, so that the average is the one-big-batch gradient. With seq_mean_token_sum, `num_sequences` is the
+    normaliser of a sum (1 gives the plain token sum, verl's token-sum) and is not checked. Raises ValueError on
+    bad input.
     """
     check_aggregation(aggregation)
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
     out, batch = compute_token_loss(
         objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
         token_weights=token_weights, **extra,
     )
-    loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=num_tokens,
-                     num_sequences=num_sequences)
-    _check_global_count("num_tokens", num_tokens, float(batch.mask.sum()), "valid tokens")
-    _check_global_count("num_sequences", num_sequences, float(batch.mask.shape[0]), "sequences")
+
+    def share(count: float | None) -> float | None:
+        return None if count is None else float(count) / num_processes
+
+    loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=share(num_tokens),
+                     num_sequences=share(num_sequences))
+    if aggregation == "token_mean":
+        _check_global_count("num_tokens", num_tokens, float(batch.mask.sum()), "valid tokens")
+    elif aggregation != "seq_mean_token_sum":
+        _check_global_count("num_sequences", num_sequences, float(batch.mask.shape[0]), "sequences")
     return loss, policy_metrics(out, batch)
