@@ -18,6 +18,7 @@ from trustclip.train.config import TrainConfig, load_config, option_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+PAPER_RECIPES = sorted((ROOT / "recipes").glob("qwen3_1.7b_*.yaml"))
 
 
 # ------------------------------------------------------------------ configuration
@@ -91,6 +92,13 @@ def test_overrides_and_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_loads_and_its_objective_is_valid(recipe):
+    from trustclip.train.checks import check_objective
+
+    check_objective(load_config(recipe))
+
+
+@pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=[p.stem for p in PAPER_RECIPES])
 def test_recipes_load_with_the_papers_settings(recipe):
     from trustclip import get_objective
 
