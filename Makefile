@@ -43,7 +43,8 @@ clean:
 # SFT model. Figures 2 and 4 of the paper are in table2's report (training curves; Mean@k / Pass@k vs k).
 TESTBED := recipes/tiny_offpolicy.yaml
 POOL := runs/paper-cpu
-COMPARE = $(VENV)/bin/trustclip compare --config $(TESTBED) --seeds 5 --runs-dir $(POOL)
+SEEDS ?= 5
+COMPARE = $(VENV)/bin/trustclip compare --config $(TESTBED) --seeds $(SEEDS) --runs-dir $(POOL)
 # clip_higher at ATR's exact Lambert-W region (delta 0.07): the identity control, read from the library.
 ATR_AS_CLIP_HIGHER = clip_higher[$(shell $(VENV)/bin/python -c "import trustclip as t; l, u = t.ratio_bounds('atr'); \
 	print(f'epsilon_low={1 - l!r},epsilon_high={u - 1!r}')")]
