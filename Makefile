@@ -10,7 +10,7 @@ MODELS_STAMP := $(VENV)/.trustclip-models-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean table2 table3 figure3 beyond experiments
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -43,3 +43,34 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV)
+
+# The paper's experiments at CPU scale, on the comparison testbed (docs/results-cpu.md). Each is one resumable command:
+# rerun it after an interruption and it continues where it stopped. All keep their runs in one pool, so a run that two
+# experiments share (same objective, settings and seed) is made once, and every run of a seed starts RL from the same
+# SFT model. Figures 2 and 4 of the paper are in table2's report (training curves; Mean@k / Pass@k vs k).
+TESTBED := recipes/tiny_offpolicy.yaml
+POOL := runs/paper-cpu
+SEEDS ?= 5
+COMPARE = $(VENV)/bin/trustclip compare --config $(TESTBED) --seeds $(SEEDS) --runs-dir $(POOL)
+# clip_higher at ATR's exact Lambert-W region (delta 0.07): the identity control, read from the library.
+ATR_AS_CLIP_HIGHER = clip_higher[$(shell $(VENV)/bin/python -c "import trustclip as t; l, u = t.ratio_bounds('atr'); \
+	print(f'epsilon_low={1 - l!r},epsilon_high={u - 1!r}')")]
+
+table2: $(STAMP)
+	$(COMPARE) --output-dir $(POOL)/table2 --reference clip \
+	  --objectives unconstrained,clip,clip_higher,dual_clip,dcpo,clip_cov,sapo,atr
+
+table3: $(STAMP)
+	$(COMPARE) --output-dir $(POOL)/table3 --reference atr \
+	  --objectives "atr,kl1,kl2,is_kl3,trgppo,clip,clip[epsilon=0.329],clip[epsilon=0.422],clip_higher,$(ATR_AS_CLIP_HIGHER)"
+
+figure3: $(STAMP)
+	$(COMPARE) --output-dir $(POOL)/figure3 --reference clip --objectives atr,clip \
+	  --sweep delta=0.01,0.02,0.05,0.07,0.1,0.2,0.5
+
+# Beyond the paper (docs/beyond-the-paper.md): adaptive delta and sequence-level ATR against ATR and clip.
+beyond: $(STAMP)
+	$(COMPARE) --output-dir $(POOL)/beyond --reference atr \
+	  --objectives "atr,clip,atr_adaptive,atr_seq,atr_seq[delta=0.001]"
+
+experiments: table2 table3 figure3 beyond

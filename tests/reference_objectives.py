@@ -51,6 +51,12 @@ def kl_family(kind, w, a, delta, two_sided=False):
     return constraint_clip(w, a, d(w) <= delta, low, high)
 
 
+def sequence_ratio(x, mask):
+    """GSPO's s_i = exp((1/L_i) sum_t x_it), (B, 1); the exponent capped at 10 as verl's GSPO-token form does."""
+    lengths = np.maximum(mask.sum(-1, keepdims=True), 1)
+    return np.exp(np.minimum((x * mask).sum(-1, keepdims=True) / lengths, 10.0))
+
+
 def binary_kl(q, r):
     return q * np.log(1 / r) + (1 - q) * np.log((1 - q) / (1 - r * q))
 
@@ -115,10 +121,15 @@ def reference(name, hp, logp, old_logp, adv, mask, entropy=None, full_kl=None):
         phi_neg = np.where(w < lo, 0.0, np.where(w > c, c, w))
         val_neg = a * np.clip(w, lo, c)
         value, phi = np.where(a > 0, val_pos, val_neg), np.where(a > 0, phi_pos, phi_neg)
-    elif name == "gspo":
-        lengths = np.maximum(mask.sum(-1, keepdims=True), 1)
-        seq = np.exp(np.minimum((x * mask).sum(-1, keepdims=True) / lengths, 10.0)) * np.ones_like(w)
-        value, phi = ratio_clip(seq, a, 1 - hp["epsilon_low"], 1 + hp["epsilon_high"])
+    elif name in ("gspo", "atr_seq"):  # sequence ratio s_i on every token; d s_it / d logp_t = s_i (GSPO-token)
+        seq = sequence_ratio(x, mask) * np.ones_like(w)
+        if name == "gspo":
+            low, high = 1 - hp["epsilon_low"], 1 + hp["epsilon_high"]
+        else:  # the KL3 region of the sequence ratio, root-found independently of the library's Lambert-W
+            low, high = sublevel_interval(DIVERGENCES["kl3"], hp["delta"])
+        value, phi = ratio_clip(seq, a, low, high)
+    elif name == "atr_adaptive":  # at its current delta: ATR-GRPO
+        value, phi = kl_family("kl3", w, a, hp["delta"])
     elif name == "kl_cov":
         valid = mask > 0
         cov = (a - a[valid].mean()) * (logp - logp[valid].mean())

@@ -4,6 +4,7 @@ x two seeds on a tiny setting whose report cells are checked against the runs' o
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -20,9 +21,9 @@ import pytest
 
 from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
-from trustclip.compare.plan import parse_hparams, parse_objectives, parse_seeds, parse_sweep
+from trustclip.compare.plan import parse_hparams, parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import ChangedRunError, execute
-from trustclip.compare.stats import ahead, change_sentence, rank_sentence, stat
+from trustclip.compare.stats import stat
 from trustclip.files import read_jsonl, write_json_atomic
 from trustclip.train.config import load_config
 
@@ -141,9 +142,53 @@ def test_sweep_applies_to_objectives_that_have_the_parameter(tmp_path):
     assert [r.config["rl"]["learning_rate"] for r in lr] == [1e-4, 2e-4]
 
 
+L3, U3 = 0.6709670432, 1.4222251178  # the Lambert-W bounds of KL3 at delta 0.07 (trustclip bounds)
+TABLE3 = ("clip, clip[epsilon=0.329], clip[epsilon=0.422], clip_higher, "
+          f"clip_higher[epsilon_low={1 - L3!r}, epsilon_high={U3 - 1!r}], atr")
+
+
+def test_variants_of_one_objective_are_groups_of_their_own(tmp_path):
+    labels = parse_objectives(TABLE3)
+    identity = f"clip_higher[epsilon_low={1 - L3!r},epsilon_high={U3 - 1!r}]"
+    assert labels == ["clip", "clip[epsilon=0.329]", "clip[epsilon=0.422]", "clip_higher", identity, "atr"]
+    runs = plan_runs(labels, [0], tmp_path, hparams=parse_hparams(["clip_higher.epsilon_high=0.3"], labels),
+                     share_sft=False)
+    assert [r.group for r in runs] == labels
+    assert [r.run_dir.parent.name for r in runs] == [
+        "clip", "clip_epsilon=0.329", "clip_epsilon=0.422", "clip_higher",
+        f"clip_higher_epsilon_low={1 - L3!r}_epsilon_high={U3 - 1!r}", "atr"]
+    assert [r.hparams.get("epsilon") for r in runs[:3]] == [0.2, 0.329, 0.422]
+    # --hparam sets clip_higher's epsilon_high; the variant's own values take precedence
+    assert runs[3].hparams == {"epsilon_low": 0.2, "epsilon_high": 0.3}
+    assert runs[4].hparams == {"epsilon_low": 1 - L3, "epsilon_high": U3 - 1}  # full precision
+    assert len({r.fingerprint() for r in runs}) == 6
+    group = [(r.group, r.label, r.objective) for r in runs]
+    assert resolve_reference(None, group) == "clip"
+    assert resolve_reference("clip[ epsilon=0.329 ]", group) == "clip[epsilon=0.329]"
+    assert resolve_reference("kl3", group) == "atr" and resolve_reference("dapo", group) == "clip_higher"
+    assert resolve_reference(None, group[3:]) == "clip_higher"  # no clip: the first group
+    swept = plan_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.05,0.1"),
+                      share_sft=False)
+    assert [r.group for r in swept] == ["clip[epsilon=0.3]", "atr_delta=0.05", "atr_delta=0.1"]
+    with pytest.raises(ValueError, match=re.escape("--reference 'atr' names 2 groups (atr_delta=0.05, atr_delta=0.1)")):
+        resolve_reference("atr", [(r.group, r.label, r.objective) for r in swept])
+
+
 @pytest.mark.parametrize(("call", "message"), [
     (lambda p: plan_runs(["clip", "sapo"], [0], p, sweep=parse_sweep("delta=0.1")), "no compared objective"),
     (lambda p: parse_objectives("kl3,atr"), "same objective"),
+    (lambda p: parse_objectives("clip,clip[epsilon=0.3], clip[ epsilon=0.3]"), "are the same item"),
+    (lambda p: parse_objectives("clip,clip[epsilon=0.3"), "unbalanced or nested brackets"),
+    (lambda p: parse_objectives("clip[epsilon=[0.3]]"), "unbalanced or nested brackets"),
+    (lambda p: parse_objectives("clip[eps=0.3]"), "clip has no hyper-parameter 'eps'; valid: epsilon"),
+    (lambda p: parse_objectives("clip[epsilon]"), "expected KEY=VALUE inside the brackets"),
+    (lambda p: parse_objectives("clip[]"), "expected KEY=VALUE inside the brackets, got ''"),
+    (lambda p: parse_objectives("clip[epsilon=0.3,epsilon=0.2]"), "epsilon is given twice"),
+    (lambda p: parse_objectives("clip(epsilon=0.3)"), "expected NAME or NAME[KEY=VALUE,...]"),
+    (lambda p: plan_runs(["clip", "clip[epsilon=2]"], [0], p), "objective 'clip[epsilon=2]': clip: epsilon=2 is"),
+    (lambda p: plan_runs(["clip", "clip[epsilon=0.2]"], [0], p), "'clip' and 'clip[epsilon=0.2]' have the same"),
+    (lambda p: plan_runs(["clip[epsilon=0.3]"], [0], p, sweep=parse_sweep("epsilon=0.1,0.2")), "sets epsilon itself"),
+    (lambda p: resolve_reference("sapo", [("clip", "clip", "clip")]), "'sapo' is not a compared group; groups: clip"),
     (lambda p: parse_objectives("clip,nope"), "unknown objective 'nope'"),
     (lambda p: plan_runs(["atr"], [0], p, hparams={"atr": {"delta": -1}}), "delta=-1 is invalid"),
     (lambda p: plan_runs(["clip"], [0], p, hparams={"clip": {"delta": 0.1}}), "unknown hyper-parameter"),
@@ -173,18 +218,24 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------- statistics and text
-def test_rank_sentence_only_claims_a_lead_beyond_the_seed_spread():
-    separated = {"a": stat([0.50, 0.52, 0.54]), "b": stat([0.30, 0.32, 0.34])}
-    assert ahead(separated["a"], separated["b"])
-    text = rank_sentence("acc", separated)
-    assert "**a** has the highest mean (52.0 ± 2.0 points, n=3)" in text and "above every other" in text
-    close = {"a": stat([0.50, 0.40, 0.60]), "b": stat([0.45, 0.46, 0.47])}
-    assert "within seed spread of b (46.0 ± 1.0)" in rank_sentence("acc", close)
-    assert "no ordering is claimed" in rank_sentence("acc", {"a": stat([0.9]), "b": stat([0.1])})
-    assert "share the highest mean" in rank_sentence("acc", {"a": stat([0.0, 0.0]), "b": stat([0.0, 0.0])})
-    assert "lowest" in rank_sentence("loss", separated, higher_is_better=False)
-    assert "increase larger" in change_sentence("a", stat([0.1, 0.12, 0.11]), "acc")
-    assert "not distinguishable" in change_sentence("a", stat([0.1, -0.1, 0.0]), "acc")
+def test_rank_sentence_follows_the_paired_intervals():
+    from trustclip.compare.aggregate import GroupResult
+    from trustclip.compare.report import rank_sentence
+
+    def group(name: str, values: list[float]) -> GroupResult:
+        return GroupResult(name, name, name, {}, None, None, [], outcomes={"mean@K": dict(enumerate(values))})
+
+    base = [0.30, 0.42, 0.35, 0.25, 0.38]  # the seeds' shared starts vary a lot ...
+    a = group("a", [v + 0.05 + e for v, e in zip(base, [0.004, -0.006, 0.001, 0.007, -0.003], strict=True)])
+    b = group("b", base)
+    noisy = group("c", [v + 0.01 + e for v, e in zip(a.outcomes["mean@K"].values(), [0.02, -0.02, 0.01, -0.01, 0.0],
+                                                     strict=True)])
+    text = rank_sentence("acc", [b, a])  # ... but the paired differences a - b are all about +5 points
+    assert "**a** has the highest mean" in text and "against every other group lies above 0" in text
+    text = rank_sentence("acc", [a, b, noisy])  # c has the highest mean, but is not resolved from a
+    assert "**c** has the highest mean" in text and "lie above 0 against b, not against a." in text
+    assert "do not order them" in rank_sentence("acc", [group("x", [0.5, 0.4]), group("y", [0.45, 0.46])])
+    assert "share the highest mean" in rank_sentence("acc", [group("x", [0.5, 0.4]), group("y", [0.4, 0.5])])
     assert math.isnan(stat([1.0]).std) and stat([1.0, float("nan"), 3.0]).n == 2
 
 
@@ -202,19 +253,27 @@ def test_io_atomic_write_and_truncated_jsonl(tmp_path):
 # --------------------------------------------------------------------- execution with a stand-in pipeline
 FAKE_PIPELINE = textwrap.dedent('''
     """Stand-in for trustclip.train.pipeline.run_pipeline: writes the same files, with known numbers."""
-    import json, os, time
+    import json, math, os, time
     from pathlib import Path
 
-    BASE = {"clip": 0.20, "kl3": 0.50, "sapo": 0.30}
+    BASE = {"clip": 0.20, "kl3": 0.50, "sapo": 0.30, "clip_higher": 0.25}
 
-    def value(objective, seed, split_index, delta=0.0):
-        return BASE[objective] + 2 * delta + 0.1 * split_index + 0.03 * seed
+    def jitter(objective, seed):
+        """Seed-to-seed noise that differs between objectives, so that paired differences have a spread."""
+        return 0.02 * math.sin(1 + seed * len(objective))
+
+    def value(objective, seed, split_index, delta=0.0, epsilon=0.2):
+        return BASE[objective] + 2 * delta + epsilon - 0.2 + 0.1 * split_index + 0.03 * seed + jitter(objective, seed)
+
+    def clip_frac(objective, seed):
+        return 0.01 * seed + (0.05 if objective == "clip" else 0.02)
 
     def pipeline(config):
         out = Path(config.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         objective, seed = config.rl.objective, config.seed
         delta = config.rl.objective_kwargs.get("delta", 0.0)
+        epsilon = config.rl.objective_kwargs.get("epsilon", 0.2)
         (out / "state.json").write_text(json.dumps({"started": True}))
         with open(out / "calls.txt", "a") as fh:
             fh.write(f"resume={config.resume} stages={','.join(config.stages)} model={config.model.name_or_path}\\n")
@@ -228,8 +287,8 @@ FAKE_PIPELINE = textwrap.dedent('''
             raise RuntimeError("boom")
         splits = ["s1", "s2"]
         def metrics(shift):
-            m = {s: {"mean@2": value(objective, seed, i, delta) + shift,
-                     "pass@2": value(objective, seed, i, delta) + 0.2 + shift} for i, s in enumerate(splits)}
+            m = {s: {"mean@2": value(objective, seed, i, delta, epsilon) + shift,
+                     "pass@2": value(objective, seed, i, delta, epsilon) + 0.2 + shift} for i, s in enumerate(splits)}
             m["average"] = {k: sum(m[s][k] for s in splits) / 2 for k in ("mean@2", "pass@2")}
             return m
         after, before = metrics(0.0), metrics(-0.15)
@@ -242,7 +301,9 @@ FAKE_PIPELINE = textwrap.dedent('''
             for step in range(1, 11):
                 row = {"stage": "rl", "step": step, "reward": BASE[objective] * step / 10,
                        "entropy": 1.0 - 0.05 * step + 0.01 * seed, "completions/mean_length": 20.0 + step,
-                       "objective/clip_frac_low": 0.01 * seed, "objective/clip_frac_high": 0.02}
+                       "objective/clip_frac_low": 0.01 * seed, "objective/clip_frac_high": 0.02,
+                       "objective/clip_frac": clip_frac(objective, seed) * step / 5.5,  # mean over RL: clip_frac
+                       "objective/offpolicy_frac": 0.3}
                 if step == 5:  # a periodic evaluation better than the final one on s1
                     row.update({f"eval/{s}/{k}": v + (0.05 if s == "s1" else -0.05)
                                 for s, ms in after.items() for k, v in ms.items()})
@@ -254,19 +315,45 @@ FAKE_PIPELINE = textwrap.dedent('''
 ''')
 
 
+FAKE = {}
+exec(FAKE_PIPELINE, FAKE)  # the stand-in's own formulas, to check the report against
+
+
 @pytest.fixture()
 def fake_env(tmp_path, monkeypatch):
     """A stand-in pipeline module importable by worker processes."""
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "fake_pipeline.py").write_text(FAKE_PIPELINE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "pkg"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(str(tmp_path / "pkg"))  # and by `finish_in_process`
     return tmp_path / "out"
+
+
+def finish_in_process(settings: CompareSettings, monkeypatch) -> list:
+    """Every planned run finished by the worker's own code in this process (no worker processes: fast)."""
+    import trustclip.compare.worker as worker
+    from trustclip.compare.runner import prepare_run_dir
+
+    monkeypatch.setattr(worker, "_set_threads", lambda threads: None)  # leave this process's torch threads alone
+    runs = settings.plan()
+    for spec in runs:  # plan order: each seed's SFT run before the RL runs that start from it
+        prepare_run_dir(spec, resume_partial=False, pipeline=settings.pipeline)
+        assert worker.run_worker(spec.run_dir) == 0
+    return runs
 
 
 def fake_settings(out: Path, objectives=("clip", "atr"), seeds=(0, 1, 2), **kwargs) -> CompareSettings:
     return CompareSettings(output_dir=out, objectives=list(objectives), seeds=list(seeds),
                            overrides=["eval.k=2", "rl.eval_every=5"], pipeline="fake_pipeline:pipeline",
                            progress_every=1.0, jobs=2, **kwargs)
+
+
+FIVE = (0, 1, 2, 3, 4)
+
+
+def average(objective: str, seed: int, **hparams) -> float:
+    """The stand-in's final Average Mean@2 of a run."""
+    return (FAKE["value"](objective, seed, 0, **hparams) + FAKE["value"](objective, seed, 1, **hparams)) / 2
 
 
 def test_report_cells_match_the_runs_numbers(fake_env):
@@ -279,15 +366,16 @@ def test_report_cells_match_the_runs_numbers(fake_env):
         assert (out / "figures" / name).read_bytes()[:8] == PNG_MAGIC
     text = (out / "report.md").read_text()
     seeds = (0, 1, 2)
+    value = FAKE["value"]
     # Table 2: final (best) mean over seeds; the step-5 evaluation beats the final one on s1 only.
     t2 = md_table(text, "## Table 2")
     assert t2[0] == ["Objective", "s1 Mean@2", "s1 Pass@2", "s2 Mean@2", "s2 Pass@2", "Average Mean@2",
                      "Average Pass@2"]
-    groups = [("clip", 0.2), ("atr_delta=0.05", 0.6), ("atr_delta=0.1", 0.7)]
-    for row, (group, base) in zip(t2[1:], groups, strict=True):
+    groups = [("clip", "clip", 0.0), ("atr_delta=0.05", "kl3", 0.05), ("atr_delta=0.1", "kl3", 0.1)]
+    for row, (group, objective, delta) in zip(t2[1:], groups, strict=True):
         assert row[0] == group
-        s1 = [base + 0.03 * s for s in seeds]
-        s2 = [base + 0.1 + 0.03 * s for s in seeds]
+        s1 = [value(objective, s, 0, delta) for s in seeds]
+        s2 = [value(objective, s, 1, delta) for s in seeds]
         avg = [(a + b) / 2 for a, b in zip(s1, s2, strict=True)]
         assert row[1] == f"{pct(np.mean(s1))} ({pct(np.mean(s1) + 0.05)})"
         assert row[3] == f"{pct(np.mean(s2))} ({pct(np.mean(s2))})"  # final beats step 5 on s2
@@ -296,31 +384,120 @@ def test_report_cells_match_the_runs_numbers(fake_env):
         assert row[5] == f"{pct(np.mean(avg))} ({pct(np.mean(avg))})"
     # Table 3: mean ± sample std over seeds, and the RL start row.
     t3 = md_table(text, "## Table 3")
-    assert t3[1] == ["clip", "3", pm([0.2 + 0.03 * s for s in seeds]), pm([0.3 + 0.03 * s for s in seeds]),
-                     pm([0.25 + 0.03 * s for s in seeds])]
-    assert t3[-1][0] == "*RL start (SFT model)*" and t3[-1][2] == pm([0.05 + 0.03 * s for s in seeds])
+    clip = {i: [value("clip", s, i) for s in seeds] for i in (0, 1)}
+    clip_avg = [(a + b) / 2 for a, b in zip(clip[0], clip[1], strict=True)]
+    assert t3[1] == ["clip", "3", pm(clip[0]), pm(clip[1]), pm(clip_avg)]
+    assert t3[-1][0] == "*RL start (SFT model)*" and t3[-1][2] == pm([v - 0.15 for v in clip[0]])
     assert "SFT shared per seed" in text
     calls = {p.parent.relative_to(out / "runs").as_posix(): p.read_text().split()
              for p in (out / "runs").glob("*/seed*/calls.txt")}
     start = (out / "runs" / "_sft" / "seed2" / "sft" / "final").resolve()
     assert calls["atr_delta=0.1/seed2"][1:] == ["stages=rl,eval", f"model={start}"]
     assert calls["_sft/seed2"][1] == "stages=sft"
-    # Findings are generated from these numbers: 0.1 is ahead of 0.05 beyond the spread (std 0.03); the
-    # sweep sentence ranks the values of delta.
-    assert "**atr_delta=0.1** has the highest mean" in text and "above every other group's mean + std" in text
-    assert "Sweep of atr over delta, Average Mean@2: **delta=0.1** has the highest mean" in text
-    assert "Paired by seed, atr_delta=0.05 - clip: 40.0 ± 0.0 points in Average Mean@2 (n=3), a difference" in text
+    # Findings follow from paired intervals: at 3 seeds the bootstrap-t interval of a varying difference is
+    # unbounded, so atr - clip is not resolved; the two deltas differ by exactly +10 points on every seed.
+    gap = np.mean([average("kl3", s, delta=0.05) - average("clip", s) for s in seeds])
+    assert (f"atr_delta=0.05 - clip, held-out Mean@2, final: +{100 * gap:.1f} points [95% CI -inf, +inf], n = 3 "
+            "paired seeds; the interval includes 0: no difference resolved at n = 3") in text
+    top = [(value("kl3", s, 0, 0.1) + value("kl3", s, 1, 0.1)) / 2 for s in seeds]
+    assert (f"Sweep of atr over delta, Average Mean@2: **atr_delta=0.1** has the highest mean ({pm(top)} points, "
+            "n = 3); its paired 95% interval against every other group lies above 0.") in text
     # Dynamics: entropy over the last 10% of steps (= step 10) and mean clip fraction over RL.
     dyn = md_table(text, "## Training dynamics")
     entropy = [0.5 + 0.01 * s for s in seeds]
     assert dyn[1][2] == f"{np.mean(entropy):.3f} ± {np.std(entropy, ddof=1):.3f}"
+    clip_frac = [FAKE["clip_frac"]("clip", s) for s in seeds]
+    assert dyn[0][4] == "active-constraint fraction (mean over RL)"
+    assert dyn[1][4] == f"{np.mean(clip_frac):.4f} ± {np.std(clip_frac, ddof=1):.4f}"
     # results.json / csv hold the same numbers unrounded.
     results = json.loads((out / "results.json").read_text())
     clip = next(g for g in results["groups"] if g["group"] == "clip")
-    assert clip["final"]["s1"]["mean@2"]["values"] == pytest.approx([0.2, 0.23, 0.26])
+    assert clip["final"]["s1"]["mean@2"]["values"] == pytest.approx([value("clip", s, 0) for s in seeds])
     assert clip["seeds"] == [0, 1, 2]
     csv_text = (out / "results.csv").read_text()
-    assert "final,clip,clip,,,0,s1,mean@2,value,0.2" in csv_text
+    assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
+
+
+def test_paired_comparisons_intervals_and_aggregates(fake_env, monkeypatch):
+    """Five seeds of clip, atr and a clip variant: the paired table, the IQM / probability-of-improvement
+    table, results.json and results.csv carry the intervals computed from the runs' own numbers."""
+    from scipy.stats import trim_mean
+
+    from trustclip.compare.stats import paired_difference
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
+    finish_in_process(settings, monkeypatch)
+    settings.report_only = True
+    assert run_compare(settings, say=lambda s: None) == 0
+    text = (fake_env / "report.md").read_text()
+    expected = paired_difference({s: average("kl3", s, delta=0.07) for s in FIVE},
+                                 {s: average("clip", s) for s in FIVE}, group="atr", ref="clip", outcome="mean@K")
+    assert 0 < expected.low < expected.high and expected.sd > 0  # a real interval: the seeds differ
+    rows = {(r[0], r[1]): r[2:] for r in md_table(text, "## Paired comparisons against clip")[1:]}
+    assert len(rows) == 2 * 9  # every other group x every outcome
+    assert rows[("atr", "held-out Mean@2, final")] == [
+        f"+{100 * expected.mean:.1f} points", f"[+{100 * expected.low:.1f}, +{100 * expected.high:.1f}]", "5",
+        "higher", "not estimable" if expected.seeds_needed is None else str(expected.seeds_needed)]
+    assert rows[("clip[epsilon=0.3]", "held-out Mean@2, final")][:4] == ["+10.0 points", "[+10.0, +10.0]", "5",
+                                                                         "higher"]
+    constraint = "active-constraint fraction, mean over RL (% of tokens)"
+    assert rows[("atr", constraint)][:4] == ["-3.00 pp", "[-3.00, -3.00]", "5", "lower"]
+    assert rows[("atr", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)")][3] == "identical"
+    assert rows[("atr", "collapse: final Mean@2 below the RL start (% of runs)")][3] == "identical"
+    assert (f"atr - clip, held-out Mean@2, final: +{100 * expected.mean:.1f} points [95% CI +{100 * expected.low:.1f}, "
+            f"+{100 * expected.high:.1f}], n = 5 paired seeds: higher than clip.") in text
+    assert "studentised bootstrap (bootstrap-t)" in text
+    # rliable's aggregates: IQM over (seed x split) scores, P(atr > clip) = 1 (every atr run is above every clip run)
+    aggregates = {r[0]: r[1:] for r in md_table(text, "## IQM and probability of improvement over clip")[1:]}
+    atr_scores = [FAKE["value"]("kl3", s, i, delta=0.07) for s in FIVE for i in (0, 1)]  # atr: the recipe's delta
+    assert aggregates["atr"][1].startswith(f"{100 * trim_mean(atr_scores, 0.25):.1f} [")
+    assert aggregates["atr"][3].startswith("1.00 [") and aggregates["clip"][3] == "(reference)"
+    results = json.loads((fake_env / "results.json").read_text())
+    assert results["reference"] == "clip"
+    entry = next(c for c in results["comparisons"] if c["group"] == "atr" and c["outcome"] == "mean@K")
+    assert entry["seeds"] == list(FIVE) and entry["n"] == 5 and entry["verdict"] == "higher"
+    assert (entry["low"], entry["high"]) == pytest.approx((expected.low, expected.high))
+    assert entry["differences"] == pytest.approx(list(expected.differences))
+    assert results["aggregates"]["atr"]["poi"]["mean@2"]["value"] == 1.0
+    assert results["groups"][1]["outcomes"]["mean@K"]["3"] == pytest.approx(average("kl3", 3, delta=0.07))
+    csv_text = (fake_env / "results.csv").read_text()
+    assert f"paired vs clip,atr,kl3,,,,,mean@K,low,{entry['low']}" in csv_text
+    assert "paired vs clip,atr,kl3,,,,,mean@K,verdict,higher" in csv_text
+    with (fake_env / "curves.csv").open() as fh:
+        panels = {row["panel"] for row in csv.DictReader(fh) if row["figure"] == "training_curves"}
+    assert {"active-constraint fraction", "off-policy fraction (ratio outside [0.8, 1.2])", "reward (train)"} <= panels
+
+
+def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):
+    """--reference changes no run: a report-only rebuild (CLI) compares against another group (here a variant),
+    the choice is remembered, a bad name is refused before anything runs, and a full rerun with another
+    reference starts nothing."""
+    import argparse
+
+    from trustclip.commands.compare import add_arguments
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=(0, 1, 2, 3))
+    runs = finish_in_process(settings, monkeypatch)
+    markers = {spec.run_id: (spec.run_dir / "run_complete.json").stat().st_mtime_ns for spec in runs}
+    write_json_atomic(fake_env / "compare.json", settings.experiment())  # as a compare saves it, for the CLI
+    base = ["compare", "--output-dir", str(fake_env), "--report-only"]
+    assert cli_main([*base, "--reference", "clip[ epsilon = 0.3 ]"]) == 0
+    text = (fake_env / "report.md").read_text()
+    assert "## Paired comparisons against clip[epsilon=0.3]" in text
+    assert "clip - clip[epsilon=0.3], held-out Mean@2, final: -10.0 points [95% CI -10.0, -10.0]" in text
+    assert json.loads((fake_env / "compare.json").read_text())["reference"] == "clip[ epsilon = 0.3 ]"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert CompareSettings.from_args(parser.parse_args(base[1:])).reference == "clip[ epsilon = 0.3 ]"  # remembered
+    capsys.readouterr()
+    assert cli_main([*base, "--reference", "sapo"]) == 2
+    assert "--reference 'sapo' is not a compared group; groups: clip, atr, clip[epsilon=0.3]" in capsys.readouterr().err
+    n = len(events(fake_env))
+    settings.reference = "kl3"  # the objective's name selects its group
+    assert run_compare(settings, say=lambda s: None) == 0
+    assert started(events(fake_env, n)) == []
+    assert "## Paired comparisons against atr" in (fake_env / "report.md").read_text()
+    assert {spec.run_id: (spec.run_dir / "run_complete.json").stat().st_mtime_ns for spec in runs} == markers
 
 
 def test_failed_run_does_not_stop_the_others(fake_env, monkeypatch):
@@ -347,6 +524,27 @@ def test_changed_settings_are_not_mixed(fake_env):
     n = len(events(out))
     assert run_compare(changed, say=lambda s: None) == 0
     assert started(events(out, n)) == ["clip/seed0"]
+
+
+def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
+    """Two experiments in one pool: the second makes only its new objective's runs, starts them from the first's SFT
+    models, and reports the shared runs' numbers; each report stays in its own output directory."""
+    pool = fake_env.parent / "pool"
+    first = fake_settings(fake_env / "first", objectives=("clip", "atr"), seeds=(0, 1), runs_dir=str(pool))
+    assert run_compare(first, say=lambda s: None) == 0
+    assert (pool / "runs" / "clip" / "seed0" / "run_complete.json").is_file()
+    assert not (fake_env / "first" / "runs").exists()
+    second = fake_settings(fake_env / "second", objectives=("clip", "sapo"), seeds=(0, 1), runs_dir=str(pool))
+    assert run_compare(second, say=lambda s: None) == 0
+    assert started(events(fake_env / "second")) == ["sapo/seed0", "sapo/seed1"]
+    skipped = sorted(r["run"] for r in events(fake_env / "second") if r["event"] == "skip")
+    assert skipped == ["_sft/seed0", "_sft/seed1", "clip/seed0", "clip/seed1"]
+    for report in ("first", "second"):
+        results = json.loads((fake_env / report / "results.json").read_text())
+        clip = next(g for g in results["groups"] if g["group"] == "clip")
+        assert clip["final"]["average"]["mean@2"]["values"] == pytest.approx([average("clip", 0), average("clip", 1)])
+    saved = json.loads((fake_env / "second" / "compare.json").read_text())
+    assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
 
 
 def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
@@ -467,6 +665,21 @@ def test_end_to_end_every_file_and_cell(tiny_compare):
         assert row[3] == f"{pct(n['after']['average']['mean@2'])} ({pct(n['best']['average']['mean@2'])})"
         assert row[5] == str(n["n_evals"])
     assert cells_checked == 2 * 8 + 2 * 4
+    # the paired comparison of atr with clip, from the runs' own final numbers: 2 seeds give an unbounded
+    # bootstrap-t interval (or a point when both seeds differ equally), never a verdict from a hand rule
+    results = json.loads((out / "results.json").read_text())
+    assert results["reference"] == "clip"
+    entry = next(c for c in results["comparisons"] if c["group"] == "atr" and c["outcome"] == "mean@K")
+    diffs = [numbers[("atr", s)]["after"]["average"]["mean@2"] - numbers[("clip", s)]["after"]["average"]["mean@2"]
+             for s in (0, 1)]
+    assert entry["seeds"] == [0, 1] and entry["differences"] == pytest.approx(diffs, abs=1e-12)
+    row = next(r for r in md_table(text, "## Paired comparisons against clip") if r[1] == "held-out Mean@2, final")
+    assert row[0] == "atr" and row[4] == "2"
+    if diffs[0] == diffs[1]:
+        assert row[3] == f"[{100 * diffs[0]:+.1f}, {100 * diffs[0]:+.1f}]"
+    else:
+        assert row[3] == "[-inf, +inf]" and row[5] == "not resolved"
+        assert entry["low"] is None and entry["high"] is None and entry["bounded"] is False
 
 
 def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):

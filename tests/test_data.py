@@ -166,7 +166,7 @@ def test_shared_benchmark_files_load_as_they_are(shared_data_dir):
         ("badarr.json", '[\n  {"problem": "p", "answer": "1"},\n  {"problem": \n]', r"badarr\.json:4: invalid JSON"),
         ("notobj.jsonl", '["p", "1"]\n', r"notobj\.jsonl:1: expected a JSON object"),
         ("emptyans.jsonl", '{"problem": "p", "answer": "  "}\n', r"emptyans\.jsonl:1: field 'answer' must be"),
-        ("nullprob.jsonl", '{"problem": null, "answer": "1"}\n', r"nullprob\.jsonl:1: missing field 'problem'"),
+        ("nullprob.jsonl", '{"problem": null, "answer": "1"}\n', r"nullprob\.jsonl:1: field 'problem' is null"),
         ("data.csv", "problem,answer\n", r"data\.csv: unsupported file type"),
     ],
 )
@@ -179,7 +179,7 @@ def test_malformed_files_name_file_and_line(tmp_path, name, content, pattern):
 
 def test_malformed_parquet_names_the_row(tmp_path):
     path = write_parquet(tmp_path / "p.parquet", [{"problem": "p", "answer": "1"}, {"problem": "q", "answer": None}])
-    with pytest.raises(DataFormatError, match=r"p\.parquet: row 1: missing field 'answer'"):
+    with pytest.raises(DataFormatError, match=r"p\.parquet: row 1: field 'answer' is null"):
         load_prompts(path)
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(b"not a parquet file")

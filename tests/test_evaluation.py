@@ -125,7 +125,7 @@ def test_evaluate_scores_scripted_completions_exactly():
         "2+2": ["\\boxed{5}"] * 4,  # 0 of 4
         "1/2": ["\\boxed{0.5}", "\\boxed{\\dfrac{1}{2}}", "", "\\boxed{1/3}"],  # 2 of 4
     }
-    cfg = EvalConfig(k=4, show_progress=False)
+    cfg = EvalConfig(k=4, show_progress=False, answer_fallback=True)
     result = evaluate(None, None, BENCH, cfg, model_name="scripted", generate_fn=scripted_generate(table))
     assert result.metrics["easy"]["mean@4"] == pytest.approx(3 / 8)
     assert result.metrics["easy"]["pass@4"] == pytest.approx(1 / 2)
@@ -139,9 +139,9 @@ def test_evaluate_scores_scripted_completions_exactly():
 def test_evaluate_without_answer_fallback_requires_a_boxed_answer():
     # what an RL policy that learned to drop the box would write: correct last number, no \\boxed{}
     table = {"1+1": ["1+1=2. \\box}", "\\boxed{2}", "2", "1+1=2."], "2+2": ["2+2=4."] * 4, "1/2": ["1/2"] * 4}
-    lenient = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False), model_name="s",
+    lenient = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False, answer_fallback=True), model_name="s",
                        generate_fn=scripted_generate(table))
-    strict = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False, answer_fallback=False), model_name="s",
+    strict = evaluate(None, None, BENCH, EvalConfig(k=4, show_progress=False), model_name="s",  # the default
                       generate_fn=scripted_generate(table))
     assert lenient.samples["easy"][0]["scores"] == [1.0, 1.0, 1.0, 1.0]
     assert strict.samples["easy"][0]["scores"] == [0.0, 1.0, 0.0, 0.0]
@@ -255,7 +255,7 @@ def test_trustclip_eval_rejects_a_malformed_benchmark(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "p", "answer": "1"}\n{"problem": "q"}\n')
-    assert main(["eval", "--model", "unused", "--benchmark", f"x={bad}"]) == 2
+    assert main(["eval", "--model", "builtin:tiny", "--benchmark", f"x={bad}"]) == 2
     assert f"{bad}:2: missing field 'answer'" in capsys.readouterr().err
 
 

@@ -64,6 +64,23 @@ def test_nan_on_padding_is_ignored_but_nan_on_a_token_is_not():
     ("kl1", {"two_sided": "yes"}, "two_sided='yes' is invalid; it must be one of"),
     ("is_kl3", {"delta": 1.5}, "is_kl3 needs delta < 1"),
     ("general", {}, "constraint=None is invalid; it must be a trustclip Constraint"),
+    ("atr_seq", {"delta": 0}, r"atr_seq: delta=0 is invalid; it must be > 0"),
+    ("atr_adaptive", {"delta_min": 0.2, "delta_max": 0.1}, r"delta range \[delta_min=0.2, delta_max=0.1\] is empty"),
+    ("atr_adaptive", {"delta_min": 0.1, "delta_max": 0.1}, r"delta range .* is empty; it needs delta_min < delta_max"),
+    ("atr_adaptive", {"delta": 0.9}, r"initial delta=0.9 is outside the delta range \[0.005, 0.5\]"),
+    ("atr_adaptive", {"delta": 0.001}, r"initial delta=0.001 is outside"),
+    ("atr_adaptive", {"target": "clip_frac", "target_value": 1.5}, r"target_value=1.5 is outside the range of "
+                                                                    r"target='clip_frac'.*\(0, 1\)"),
+    ("atr_adaptive", {"target_value": 0.5}, r"target_value=0.5 is outside the range of target='kl3_mean'.*"
+                                            r"\(0, delta_max=0.5\)"),
+    ("atr_adaptive", {"target_value": 0}, r"target_value=0 is invalid; it must be > 0.0"),
+    ("atr_adaptive", {"target_value": -0.01}, r"target_value=-0.01 is invalid"),
+    ("atr_adaptive", {"target": "entropy"}, r"target='entropy' is invalid; it must be one of \('kl3_mean', "
+                                            r"'clip_frac'\)"),
+    ("atr_adaptive", {"tolerance": 1.0}, r"tolerance=1.0 is invalid; it must be > 1.0"),
+    ("atr_adaptive", {"factor": 0.5}, r"factor=0.5 is invalid; it must be > 1.0"),
+    ("atr_adaptive", {"delta_min": -1}, r"delta_min=-1 is invalid; it must be > 0.0"),
+    ("atr_adaptive", {"delta_max": float("inf")}, r"delta_max=inf is invalid"),
 ])
 def test_bad_hyper_parameters_name_the_value(name, hparams, message):
     with pytest.raises(ValueError, match=message):
@@ -145,8 +162,8 @@ def test_cli_bounds(capsys):
     assert [r["q"] for r in rows] == [0.5, 0.01] and rows[1]["high"] > 9
     assert cli_main(["bounds", "--objective", "kl1"]) == 0
     assert "[0.9324, inf]" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="has no ratio interval"):
-        cli_main(["bounds", "--objective", "sapo"])
-    with pytest.raises(SystemExit, match="delta=-1.0 is invalid"):
-        cli_main(["bounds", "--objective", "kl3", "--delta", "-1"])
+    assert cli_main(["bounds", "--objective", "sapo"]) == 2
+    assert "has no ratio interval" in capsys.readouterr().err
+    assert cli_main(["bounds", "--objective", "kl3", "--delta", "-1"]) == 2
+    assert "delta=-1.0 is invalid" in capsys.readouterr().err
     assert math.isfinite(tc.ratio_bounds("clip")[1])

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trustclip as tc
-from trustclip.objectives import AGGREGATIONS, REGISTRY, get_objective
+from trustclip.objectives import AGGREGATIONS, REGISTRY, DeltaController, get_objective
 
-NAMES = [name for name in REGISTRY if name != "general"] + ["aspo_entropy", "general_kl3"]
+NAMES = [name for name in REGISTRY if name != "general"] + ["aspo_entropy", "general_kl3", "atr_seq_wide"]
 PROPERTY_SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -20,6 +20,8 @@ def build(name: str):
         return get_objective("aspo", entropy_split=True)
     if name == "general_kl3":
         return get_objective("general", constraint=tc.DivergenceConstraint("kl3", lambda w: w - 1 - w.log(), 0.07))
+    if name == "atr_seq_wide":  # the default delta (GSPO's scale) holds nearly every sequence of these batches
+        return get_objective("atr_seq", delta=0.05)
     if name == "clip_cov":
         return get_objective(name, clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9, seed=0)
     return get_objective(name)
@@ -114,3 +116,24 @@ def test_micro_batches_with_global_denominators_sum_to_the_big_batch(data, split
         total, grads = total + part_loss.detach(), grads + [part.grad]
     torch.testing.assert_close(torch.as_tensor(total, dtype=loss.dtype), loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(torch.cat(grads), grad, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(target=st.sampled_from(["kl3_mean", "clip_frac"]), low=st.floats(1e-4, 0.2), span=st.floats(1.01, 100.0),
+       start=st.floats(0.0, 1.0), target_value=st.floats(1e-4, 0.9), tolerance=st.floats(1.01, 3.0),
+       factor=st.floats(1.01, 4.0), statistics=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=30))
+def test_delta_controller_stays_in_range_and_moves_the_right_way(target, low, span, start, target_value, tolerance,
+                                                                 factor, statistics):
+    high = low * span
+    target_value = min(target_value, high * 0.99) if target == "kl3_mean" else target_value
+    controller = DeltaController(target=target, target_value=target_value, delta_min=low, delta_max=high,
+                                 delta=min(low + start * (high - low), high), tolerance=tolerance, factor=factor)
+    for value in statistics:
+        before = controller.delta
+        after = controller.update({target: value})
+        assert low <= after <= high
+        too_high, too_low = value > target_value * tolerance, value < target_value / tolerance
+        widen = too_low if target == "kl3_mean" else too_high
+        tighten = too_high if target == "kl3_mean" else too_low
+        expected = before * factor if widen else before / factor if tighten else before
+        assert after == pytest.approx(min(max(expected, low), high), rel=1e-12)

@@ -7,14 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference_objectives import DIVERGENCES, ratio_clip, reference, trgppo_interval
+from reference_objectives import DIVERGENCES, ratio_clip, reference, sequence_ratio, sublevel_interval, trgppo_interval
 
 import trustclip as tc
 from trustclip.objectives import REGISTRY, compute_token_loss, get_objective
 
 # Objectives with a closed-form float64 reference (clip_cov is random and checked separately).
 REFERENCED = ["unconstrained", "clip", "clip_higher", "dual_clip", "dcpo", "trgppo", "kl1", "kl2", "kl3", "is_kl3",
-              "truly_ppo", "sapo", "cispo", "aspo", "gspo", "kl_cov"]
+              "truly_ppo", "sapo", "cispo", "aspo", "gspo", "kl_cov", "atr_seq", "atr_adaptive"]
 SETTINGS = {  # non-default settings, so each code path is exercised
     "trgppo": [{"epsilon": None}, {"delta": 0.02}],
     "kl1": [{"two_sided": True}],
@@ -24,6 +24,9 @@ SETTINGS = {  # non-default settings, so each code path is exercised
     "dual_clip": [{"clip_ratio_c": 1.5}],
     "kl_cov": [{"kl_cov_ratio": 0.1}],
     "aspo": [{"clip_ratio_c": 1.6}],
+    # atr_seq's default delta (GSPO's scale) clips nearly every sequence of these inputs; 0.01 / 0.001 clip some
+    "atr_seq": [{"delta": 0.01}, {"delta": 0.001}],
+    "atr_adaptive": [{"delta": 0.02, "target": "clip_frac", "target_value": 0.1}],
 }
 
 
@@ -245,3 +248,106 @@ def test_trgppo_newton_solver_converges_over_the_whole_probability_range(delta):
     np.testing.assert_allclose(binary_kl(q[ok], low[ok]), delta, rtol=1e-9)
     np.testing.assert_allclose(binary_kl(q[ok], high[ok]), delta, rtol=1e-9)
     assert ok.sum() > 50 or delta > 1  # for large delta every upper root has r q near 1
+
+
+# ----------------------------------------------------------------------------- beyond the paper: atr_seq, atr_adaptive
+def _separated_sequences(seed: int, delta: float, margin: float = 1e-3):
+    """float64 inputs whose sequence ratios all lie at least `margin` (relative) away from atr_seq's bounds, with
+    some sequences inside and some outside, so that finite differences never cross a kink."""
+    low, high = tc.ratio_bounds("atr_seq", delta=delta)
+    for attempt in range(200):
+        logp, old, adv, mask, _, _ = random_inputs(1000 * seed + attempt, batch=8, spread=0.4)
+        seq = torch.exp(((logp - old) * mask).sum(-1) / mask.sum(-1))
+        near = [(seq / b - 1).abs().min() < margin for b in (low, high)]
+        inside = (seq >= low) & (seq <= high)
+        if not any(near) and inside.any() and (~inside & (adv != 0)).any():
+            return logp, old, adv, mask
+    raise AssertionError("no separated inputs found")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_atr_seq_gradient_is_the_derived_sequence_level_gradient(seed):
+    """J = (1/B) sum_i min(s_i A_i, clip(s_i, l, u) A_i) with s_i = exp(mean_t log w_it): the value of atr_seq with
+    seq_mean_token_mean aggregation is -J, and its gradient is the derived
+        dJ / dlogp_it = (1/B) A_i s_i / L_i * 1[l <= s_i <= u or (s_i - 1) A_i <= 0]    (float64, numpy)."""
+    delta = 0.01
+    logp, old, adv, mask = _separated_sequences(seed, delta)
+    logp.requires_grad_(True)
+    loss, _ = tc.compute_policy_loss(get_objective("atr_seq", delta=delta), logp=logp, old_logp=old, advantages=adv,
+                                     mask=mask, aggregation="seq_mean_token_mean")
+    loss.backward()
+    n = lambda t: t.detach().numpy()  # noqa: E731
+    m, a = n(mask), n(adv)[:, None]
+    s = sequence_ratio(n(logp) - n(old), m)  # (B, 1)
+    low, high = sublevel_interval(DIVERGENCES["kl3"], delta)
+    j = np.minimum(s * a, np.clip(s, low, high) * a)
+    keep = ((s >= low) & (s <= high)) | ((s - 1) * a <= 0)
+    lengths = m.sum(-1, keepdims=True)
+    batch = m.shape[0]
+    np.testing.assert_allclose(loss.item(), -j.sum() / batch, rtol=1e-12)
+    np.testing.assert_allclose(n(logp.grad), -(a * s / lengths * keep) * m / batch, rtol=1e-10, atol=1e-15)
+    assert (~keep).any() and keep[a != 0].any()  # both branches are exercised
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "dr_grpo", "token_mean"])
+def test_atr_seq_autograd_matches_finite_differences(aggregation):
+    """With one advantage per sequence the GSPO-token form's gradient is the true gradient of its value."""
+    logp, old, adv, mask = _separated_sequences(7, 0.01)
+    objective = get_objective("atr_seq", delta=0.01)
+
+    def loss_of(x):
+        return tc.compute_policy_loss(objective, logp=x, old_logp=old, advantages=adv, mask=mask,
+                                      aggregation=aggregation, max_len=x.shape[1])[0]
+
+    assert torch.autograd.gradcheck(loss_of, (logp.clone().requires_grad_(True),), eps=1e-7, atol=1e-9, rtol=1e-6)
+
+
+def test_atr_seq_token_advantages_gate_by_sequence_and_token_direction():
+    """GSPO-token variant: per-token advantages A_it keep the sequence gate s_i outside [l, u], with each
+    token's own direction test: phi_it = s_i * 1[l <= s_i <= u or (s_i - 1) A_it <= 0]."""
+    logp, old, _, mask, _, _ = random_inputs(11, spread=0.4)
+    gen = torch.Generator().manual_seed(3)
+    adv = torch.randn(logp.shape, generator=gen, dtype=torch.float64)
+    logp.requires_grad_(True)
+    loss, _ = tc.compute_policy_loss(get_objective("atr_seq", delta=0.005), logp=logp, old_logp=old,
+                                     advantages=adv, mask=mask, aggregation="token_mean")
+    loss.backward()
+    n = lambda t: t.detach().numpy()  # noqa: E731
+    value, phi, _ = reference("atr_seq", {"delta": 0.005}, n(logp), n(old), n(adv), n(mask))
+    m = n(mask)
+    np.testing.assert_allclose(loss.item(), -(value * m).sum() / m.sum(), rtol=1e-10)
+    np.testing.assert_allclose(n(logp.grad), -phi * n(adv) * m / m.sum(), rtol=1e-9, atol=1e-15)
+    gated = (phi == 0) & (m > 0)
+    kept_in_gated_sequence = (phi != 0) & (m > 0) & gated.any(-1, keepdims=True)
+    assert gated.any() and kept_in_gated_sequence.any()  # one sequence, tokens on both sides of the gate
+
+
+def test_atr_seq_is_gspo_with_the_kl3_region():
+    """One machinery: atr_seq at delta is gspo with eps_low = 1 - l_delta, eps_high = u_delta - 1, exactly."""
+    for seed, delta in enumerate([6e-8, 1e-4, 0.01]):
+        logp, old, adv, mask, _, _ = random_inputs(40 + seed, spread=3 * math.sqrt(delta))
+        low, high = tc.ratio_bounds("atr_seq", delta=delta)
+        gspo = get_objective("gspo", epsilon_low=1 - low, epsilon_high=high - 1)
+        assert torch.equal(_grad(get_objective("atr_seq", delta=delta), logp, old, adv, mask),
+                           _grad(gspo, logp, old, adv, mask))
+
+
+def test_atr_seq_default_delta_is_calibrated_to_gspos_range():
+    """The default delta is the geometric mean of KL3 at GSPO's two bounds [1 - 3e-4, 1 + 4e-4]; its region lies
+    between them and, at this scale, is symmetric to 4 delta / 3 (docs/beyond-the-paper.md)."""
+    kl3 = lambda w: w - 1 - math.log(w)  # noqa: E731
+    delta = get_objective("atr_seq").hparams["delta"]
+    assert delta == pytest.approx(math.sqrt(kl3(1 - 3e-4) * kl3(1 + 4e-4)), rel=1e-3)
+    low, high = tc.ratio_bounds("atr_seq")
+    assert kl3(low) == pytest.approx(delta, rel=1e-6) and kl3(high) == pytest.approx(delta, rel=1e-6)
+    assert 1 - 4e-4 < low < 1 - 3e-4 and 1 + 3e-4 < high < 1 + 4e-4
+    assert (high - 1) - (1 - low) == pytest.approx(4 * delta / 3, rel=1e-3)
+
+
+def test_atr_adaptive_at_a_fixed_delta_is_atr():
+    for seed, delta in enumerate([0.005, 0.07, 0.3]):
+        logp, old, adv, mask, _, _ = random_inputs(60 + seed, spread=1.5 * math.sqrt(delta))
+        adaptive = get_objective("atr_adaptive", delta=delta)
+        assert torch.equal(_grad(adaptive, logp, old, adv, mask), _grad(get_objective("atr", delta=delta), logp, old,
+                                                                          adv, mask))
+        assert tc.ratio_bounds(adaptive) == tc.ratio_bounds("atr", delta=delta)

@@ -231,7 +231,7 @@ def test_cli_json_and_text(capsys):
 def test_cli_rejects_bad_input(capsys):
     assert main(["theory", "--delta", "-1"]) == 2
     assert main(["theory", "--etas", "0"]) == 2
-    assert "error" in capsys.readouterr().out
+    assert "trustclip theory: error" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,7 @@ TIGHT = {
     "aspo": {"epsilon_low": 0.01, "epsilon_high": 0.01}, "gspo": {"epsilon_low": 1e-5, "epsilon_high": 1e-5},
     "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -100.0, "clip_cov_ub": 100.0, "seed": 0},
     "kl_cov": {"kl_cov_ratio": 0.2},
+    "atr_seq": {"delta": 1e-10}, "atr_adaptive": {"delta": 1e-5, "delta_min": 1e-6},
 }
 NO_HARD_CLIP = {"sapo", "kl_cov"}  # soft gate / penalty only: clip fractions must stay exactly 0
 OBJECTIVES = [row["name"] for row in list_objectives() if row["name"] != "general"]
@@ -91,7 +92,10 @@ def test_every_objective_trains(tiny, tmp_path, name):
         assert key in first, key  # logged when the batch is generated
     assert first["objective/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # first update: on-policy
     assert second["objective/kl3_mean"] > 0  # second update of the same batch: off-policy
-    if name in NO_HARD_CLIP:
+    if name == "unconstrained":  # the control: the ratio moves (offpolicy_frac) and nothing is ever clipped
+        assert second["objective/clip_frac"] == 0.0
+        assert second["objective/offpolicy_frac"] > 0
+    elif name in NO_HARD_CLIP:
         assert second["objective/clip_frac"] == 0.0
         stat = "objective/gate_weight_mean" if name == "sapo" else "objective/cov_selected_frac"
         assert 0 < second[stat] < 1

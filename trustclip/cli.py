@@ -1,12 +1,16 @@
 """`trustclip` command line. Each subcommand lives in `trustclip.commands.<name>` and exposes
 `add_arguments(parser)` and `run(args) -> int`; modules are imported only when their command runs,
-so `trustclip objectives` does not pay for importing transformers."""
+so `trustclip --help` imports neither torch nor scipy and `trustclip objectives` does not pay for transformers."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+DESCRIPTION = ("trustclip: GRPO-style RLVR objectives whose policy-divergence constraint is a pluggable object "
+               "(ATR-GRPO = KL3 clipping, and every baseline). `trustclip COMMAND --help` describes a command.")
 
 COMMANDS = {
     "objectives": "list every objective with its source and defaults",
@@ -19,7 +23,7 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trustclip", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="trustclip", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         # Subparsers are filled lazily in main(); --help on the root lists names only.
@@ -41,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"trustclip {name}", description=COMMANDS[name])
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:  # e.g. `trustclip objectives | head -1`: the reader left, which is not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not raise again
+        return 141  # 128 + SIGPIPE, as a shell reports a writer killed by the signal
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ _DECIMAL_RE = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)$")
 _SLASH_FRAC_RE = re.compile(r"^([+-]?\d+)/(\d+)$")
 # \frac{12}{5}, \frac34 (unbraced arguments are single digits in LaTeX)
 _LATEX_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{(\d+)\}|(\d))$")
+DEFAULT_TIMEOUT = 5.0  # seconds per math-verify call (the RL reward and the evaluation both use it)
 
 
 # --------------------------------------------------------------------------- answer extraction
@@ -93,6 +94,15 @@ def _normalize(ans: str) -> str:
 
 
 def _as_number(s: str) -> Fraction | None:
+    """The exact value of a plain number, or None (not a plain number, or too long to convert: Python refuses
+    integer strings of more than sys.get_int_max_str_digits() digits; math-verify then decides)."""
+    try:
+        return _parse_number(s)
+    except ValueError:
+        return None
+
+
+def _parse_number(s: str) -> Fraction | None:
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
     if _DECIMAL_RE.match(s):
@@ -176,7 +186,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
         try:
             req = json.loads(line)
             # Backstop: if the parent died mid-call nobody would kill a hung worker.
-            signal.alarm(int(math.ceil(req.get("timeout", 5.0))) + 30)
+            signal.alarm(int(math.ceil(req.get("timeout", DEFAULT_TIMEOUT))) + 30)
             # raise_on_error: an exception must reach the parent to be counted, not become a silent False.
             gold = parse(_latex_arg(req["gold"]), parsing_timeout=None, raise_on_error=True)
             pred = parse(_latex_arg(req["pred"]), parsing_timeout=None, raise_on_error=True)
@@ -266,7 +276,7 @@ class MathVerifier:
         worker.kill()
         self._workers[self._workers.index(worker)] = self._spawn()
 
-    def equal_many(self, pairs: Sequence[tuple[str, str]], timeout: float = 5.0) -> list[bool | str]:
+    def equal_many(self, pairs: Sequence[tuple[str, str]], timeout: float = DEFAULT_TIMEOUT) -> list[bool | str]:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         results: list[bool | str] = ["error"] * len(pairs)
@@ -381,7 +391,7 @@ def score_completions(
     completions: Sequence[str],
     answers: Sequence[str],
     *,
-    timeout: float = 5.0,
+    timeout: float = DEFAULT_TIMEOUT,
     fallback: bool = True,
     verifier: MathVerifier | None = None,
 ) -> list[float]:
@@ -394,16 +404,21 @@ def score_completions(
     slow: list[tuple[int, str, str]] = []
     for i, (text, answer) in enumerate(zip(completions, answers, strict=True)):
         stats.calls += 1
-        pred = extract_answer(text or "", fallback=fallback)
-        if pred is None:
-            stats.no_answer += 1
+        try:
+            pred = extract_answer(text or "", fallback=fallback)
+            if pred is None:
+                stats.no_answer += 1
+                continue
+            gold = str(answer)
+            verdict = fast_verdict(pred, gold)
+        except Exception:  # noqa: BLE001 - any pathological completion or answer scores 0 and is counted
+            stats.errors += 1
             continue
-        verdict = fast_verdict(pred, str(answer))
         if verdict is not None:
             stats.fast_path += 1
             scores[i] = verdict
         else:
-            slow.append((i, str(answer), pred))
+            slow.append((i, gold, pred))
     if slow:
         stats.math_verify += len(slow)
         verdicts = verifier.equal_many([(gold, pred) for _, gold, pred in slow], timeout=timeout)
@@ -412,7 +427,7 @@ def score_completions(
     return scores
 
 
-def verify_answer(completion: str, answer: str, timeout: float = 5.0) -> float:
+def verify_answer(completion: str, answer: str, timeout: float = DEFAULT_TIMEOUT) -> float:
     """1.0 if the completion's final answer (last `\\boxed{}`, documented fallback otherwise) equals
     `answer` according to math-verify, else 0.0. Never hangs longer than about `timeout` seconds;
     timeouts and errors score 0 and are counted in `reward_stats()`."""
@@ -445,7 +460,7 @@ class CorrectnessReward:
     def __init__(
         self,
         answer_key: str = "answer",
-        timeout: float = 5.0,
+        timeout: float = DEFAULT_TIMEOUT,
         fallback: bool = True,
         verifier: MathVerifier | None = None,
         name: str = "correctness",

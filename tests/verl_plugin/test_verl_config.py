@@ -43,7 +43,8 @@ def docs_command_overrides() -> list[str]:
 
 
 # --------------------------------------------------------------------------- defaults and validation
-@pytest.mark.parametrize("row", [r for r in list_objectives() if r["name"] not in ("general", "truly_ppo")],
+@pytest.mark.parametrize("row", [r for r in list_objectives() if r["name"] not in ("general", "truly_ppo",
+                                                                                     "atr_adaptive")],
                          ids=lambda r: r["name"])
 def test_defaults_are_trustclips(row: dict) -> None:
     config = TrustclipPolicyLossConfig(loss_mode=f"trustclip_{row['name']}")
@@ -66,6 +67,10 @@ def test_objective_kwargs_override_defaults() -> None:
     ("trustclip_truly_ppo", {}, r"needs the per-token input\(s\) \['full_kl'\].*does not provide"),
     ("trustclip_aspo", {"entropy_split": True}, r"needs the per-token input\(s\) \['entropy'\]"),
     ("trustclip_general", {}, r"constraint=None is invalid"),
+    ("trustclip_atr_adaptive", {}, r"trustclip_atr_adaptive adapts delta between updates with a controller.*no step "
+                                   r"boundary and no checkpoint hook. Use it through trustclip's TRL trainer"),
+    ("trustclip_atr_adaptive", {"delta_min": 0.3, "delta_max": 0.2}, r"delta range .* is empty"),
+    ("trustclip_atr_seq", {"delta": -1}, r"atr_seq: delta=-1 is invalid"),
     ("trustclip_nope", {}, r"'trustclip_nope' is not a trustclip loss mode; valid: trustclip_aspo"),
     ("vanilla", {"delta": 0.05}, r"only read by trustclip_\* loss modes"),
 ])
@@ -74,11 +79,13 @@ def test_bad_config_fails_when_built(loss_mode: str, kwargs, message: str) -> No
         TrustclipPolicyLossConfig(loss_mode=loss_mode, objective_kwargs=kwargs)
 
 
-def test_losses_verl_cannot_feed_fail_clearly_at_call() -> None:
+@pytest.mark.parametrize("loss_mode, message", [("trustclip_truly_ppo", "needs the per-token input"),
+                                                ("trustclip_atr_adaptive", "adapts delta between updates")])
+def test_losses_verl_cannot_feed_fail_clearly_at_call(loss_mode: str, message: str) -> None:
     inputs = make_inputs()
-    config = actor_config(PolicyLossConfig(loss_mode="trustclip_truly_ppo"))
-    with pytest.raises(ValueError, match="trustclip_truly_ppo needs the per-token input"):
-        core_algos.get_policy_loss_fn("trustclip_truly_ppo")(config=config, **inputs.args())
+    config = actor_config(PolicyLossConfig(loss_mode=loss_mode))
+    with pytest.raises(ValueError, match=f"{loss_mode} {message}"):
+        core_algos.get_policy_loss_fn(loss_mode)(config=config, **inputs.args())
 
 
 def test_config_unknown_to_verl_is_rejected_without_the_subclass() -> None:

@@ -22,7 +22,7 @@ from verl_testkit import (
     trustclip_config,
 )
 
-from trustclip import compute_policy_loss, get_objective
+from trustclip import compute_policy_loss, get_objective, ratio_bounds
 from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
 from trustclip.objectives import RatioInterval
 
@@ -31,6 +31,7 @@ OBJECTIVES = {
     "clip": {}, "clip_higher": {}, "dual_clip": {}, "dcpo": {"clip_ratio_c": 3.0}, "trgppo": {}, "kl1": {},
     "kl2": {}, "kl3": {}, "is_kl3": {}, "general": {"constraint": RatioInterval(0.75, 1.3)}, "sapo": {},
     "cispo": {}, "aspo": {}, "gspo": {}, "clip_cov": {"clip_cov_ratio": 0.1, "seed": 3}, "kl_cov": {},
+    "unconstrained": {}, "atr_seq": {"delta": 0.01},
 }
 
 
@@ -42,7 +43,8 @@ def trustclip_via_verl(name: str, inputs, mode: str, info: dict, **kwargs):
 def test_every_runnable_objective_is_covered() -> None:
     from trustclip.objectives import REGISTRY
 
-    assert set(OBJECTIVES) == set(REGISTRY) - {"truly_ppo"}  # truly_ppo: see test_objectives_verl_cannot_feed
+    # truly_ppo, atr_adaptive: see test_verl_config.py::test_losses_verl_cannot_feed_fail_clearly_at_call
+    assert set(OBJECTIVES) == set(REGISTRY) - {"truly_ppo", "atr_adaptive"}
 
 
 @pytest.mark.parametrize("info", BATCH_INFOS, ids=str)
@@ -89,12 +91,16 @@ def verl_loss(loss_mode: str, inputs, mode: str, info: dict, policy_loss: dict |
     return get_policy_loss_fn(loss_mode)(loss_agg_mode=mode, config=config, **inputs.args())
 
 
+# atr_seq is verl's gspo with the sequence ratio's KL3 region as its clip range
+ATR_SEQ_LOW, ATR_SEQ_HIGH = ratio_bounds("atr_seq", delta=0.01)
 # (trustclip objective, its objective_kwargs, verl loss, verl actor knobs, verl policy_loss knobs)
 SAME_LOSSES = {
     "vanilla": ("dual_clip", {"epsilon_low": 0.2, "epsilon_high": 0.28, "clip_ratio_c": 3.0}, "vanilla",
                 {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}, {}),
     "gspo": ("gspo", {"epsilon_low": 3e-4, "epsilon_high": 4e-4}, "gspo",
              {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, {}),
+    "atr_seq": ("atr_seq", {"delta": 0.01}, "gspo",
+                {"clip_ratio_low": 1 - ATR_SEQ_LOW, "clip_ratio_high": ATR_SEQ_HIGH - 1}, {}),
     "sapo": ("sapo", {"tau_pos": 1.0, "tau_neg": 1.05}, "sapo", {"tau_pos": 1.0, "tau_neg": 1.05}, {}),
     "cispo": ("cispo", {"epsilon_low": 0.3, "epsilon_high": 0.2}, "cispo",
               {"clip_ratio_low": 0.3, "clip_ratio_high": 0.2}, {}),
@@ -108,6 +114,7 @@ SAME_LOSSES = {
 SHARED_METRICS = {
     "vanilla": ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
     "gspo": ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
+    "atr_seq": ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
     "sapo": ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
     "cispo": ("actor/ppo_kl", "actor/pg_clipfrac_lower"),
     "clip_cov": ("actor/ppo_kl",),
@@ -144,11 +151,13 @@ def test_the_mechanisms_are_exercised() -> None:
     inputs = make_inputs(seed=5)
     (_, vanilla), _ = run_pair("vanilla", inputs, "token-mean", {})
     (_, gspo), _ = run_pair("gspo", inputs, "token-mean", {})
+    (_, atr_seq), _ = run_pair("atr_seq", inputs, "token-mean", {})
     (_, cov), _ = run_pair("clip_cov", inputs, "token-mean", {})
     (_, klcov), _ = run_pair("kl_cov", inputs, "token-mean", {})
     (_, cispo), _ = run_pair("cispo", inputs, "token-mean", {})
     assert vanilla["actor/pg_clipfrac_lower"] > 0 and vanilla["actor/objective/clip_frac_low"] > 0
     assert vanilla["actor/objective/clip_frac_high"] > 0 and gspo["actor/pg_clipfrac"] > 0
+    assert 0 < atr_seq["actor/pg_clipfrac"] < gspo["actor/pg_clipfrac"]  # a wider region than GSPO's
     assert cov["actor/objective/cov_selected_frac"] > 0 and klcov["actor/objective/cov_selected_frac"] > 0
     assert cispo["actor/objective/capped_frac"] > 0
 
@@ -271,7 +280,7 @@ def test_through_verls_ppo_loss() -> None:
     loss, metrics = ppo_loss(config, model_output, data)
     expected, expected_metrics = compute_policy_loss(
         "kl3", logp=inputs.log_prob, old_logp=inputs.old_log_prob, advantages=inputs.advantages,
-        mask=inputs.response_mask, aggregation="token_mean", num_tokens=60,
+        mask=inputs.response_mask, aggregation="token_mean", num_tokens=120, num_processes=2,
     )
     assert_close(loss, expected)
     assert_close(grad(loss, inputs), grad(expected, inputs))

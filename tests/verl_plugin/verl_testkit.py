@@ -74,20 +74,20 @@ def reference_aggregation(loss_agg_mode: str, info: dict, length: int) -> dict[s
     """trustclip `compute_policy_loss` aggregation arguments equal to verl's `agg_loss` with `info`.
 
     verl scales every mode by dp_size (FSDP then averages the ranks), i.e. divides by the per-rank share
-    of the global count; token-sum is a sequence sum with 1/dp_size "sequences";
-    seq-mean-token-sum-norm is Dr.GRPO with L_max = loss_scale_factor (default: the padded width).
+    of the global count: the global count with num_processes = dp_size; token-sum is a sum of sequence sums
+    (num_sequences 1); seq-mean-token-sum-norm is Dr.GRPO with L_max = loss_scale_factor (default: the padded
+    width).
     """
     dp = info.get("dp_size", 1)
-    seqs = info["global_batch_size"] / dp if "global_batch_size" in info else None
+    seqs = info.get("global_batch_size")
     if loss_agg_mode == "token-mean":
-        tokens = info["batch_num_tokens"] / dp if "batch_num_tokens" in info else None
-        return {"aggregation": "token_mean", "num_tokens": tokens}
+        return {"aggregation": "token_mean", "num_tokens": info.get("batch_num_tokens"), "num_processes": dp}
     if loss_agg_mode == "token-sum":
-        return {"aggregation": "seq_mean_token_sum", "num_sequences": 1 / dp}
+        return {"aggregation": "seq_mean_token_sum", "num_sequences": 1, "num_processes": dp}
     if loss_agg_mode == "seq-mean-token-sum-norm":
         max_len = info.get("loss_scale_factor") or length
-        return {"aggregation": "dr_grpo", "max_len": max_len, "num_sequences": seqs}
-    return {"aggregation": loss_agg_mode.replace("-", "_"), "num_sequences": seqs}
+        return {"aggregation": "dr_grpo", "max_len": max_len, "num_sequences": seqs, "num_processes": dp}
+    return {"aggregation": loss_agg_mode.replace("-", "_"), "num_sequences": seqs, "num_processes": dp}
 
 
 def grad(loss: torch.Tensor, inputs: Inputs) -> torch.Tensor:

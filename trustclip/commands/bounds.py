@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
-from trustclip.objectives import get_objective, ratio_bounds
+from trustclip.commands import check_figure_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,16 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _hparams(args: argparse.Namespace) -> dict:
+    from trustclip.objectives import get_objective
+
     params = get_objective(args.objective).spec.params
     given = {"delta": args.delta, "epsilon": args.epsilon}
     unused = [k for k, v in given.items() if v is not None and k not in params]
     if unused:
-        raise SystemExit(f"error: objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
+        raise ValueError(f"objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
     return {k: v for k, v in given.items() if v is not None}
 
 
 def run(args: argparse.Namespace) -> int:
+    from trustclip.objectives import get_objective, ratio_bounds
+
     try:
+        if args.plot:
+            check_figure_path(args.plot)
         hparams = _hparams(args)
         objective = get_objective(args.objective, **hparams)
         if objective.spec.q_dependent:
@@ -42,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
             low, high = ratio_bounds(objective)
             rows = [{"low": low, "high": high}]
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+        print(f"trustclip bounds: error: {err}", file=sys.stderr)
+        return 2
     result = {"objective": objective.name, "hparams": dict(objective.hparams), "bounds": rows}
     if args.json:
         print(json.dumps(result, indent=2, default=str))
@@ -62,4 +70,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fmt(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4f}"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.4f}" if abs(x - 1) >= 1e-3 else f"{x:.8f}"  # sequence-level regions (atr_seq, gspo) hug 1

@@ -3,10 +3,15 @@ write a report (Table-2 / Table-3 style tables, figures, CSV / JSON of every num
 
 Examples::
 
-    trustclip compare --objectives clip,dcpo,atr --seeds 3 --output-dir outputs/compare
-    trustclip compare --objectives clip,atr --seeds 3 --sweep delta=0.03,0.05,0.07,0.1,0.2 \\
+    trustclip compare --objectives clip,dcpo,atr --seeds 5 --output-dir outputs/compare
+    trustclip compare --objectives clip,atr --seeds 5 --sweep delta=0.03,0.05,0.07,0.1,0.2 \\
         --config recipes/qwen3_1.7b_atr.yaml --set rl.max_steps=500 --output-dir outputs/sweep
+    trustclip compare --objectives "clip,clip[epsilon=0.329],clip_higher[epsilon_low=0.2,epsilon_high=0.28]" \\
+        --seeds 5 --reference clip --output-dir outputs/variants   # one objective at several settings
     trustclip compare --output-dir outputs/compare --report-only   # rebuild the report from finished runs
+    trustclip compare --output-dir outputs/compare --report-only --reference atr   # against another group
+    trustclip compare --objectives clip,atr --runs-dir outputs/pool --output-dir outputs/pool/first
+    trustclip compare --objectives clip,dcpo --runs-dir outputs/pool --output-dir outputs/pool/second  # clip reused
 
 Rerunning the same command resumes: finished runs are kept, unfinished ones are continued (the
 trainer's resume) or, with --restart-partial, restarted. Ctrl-C stops the running runs cleanly.
@@ -20,13 +25,19 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from trustclip.compare import DEFAULT_SEEDS
+
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     what = parser.add_argument_group("what to run")
     what.add_argument("--objectives", default=None,
-                      help="comma-separated objectives (names or aliases, see `trustclip objectives`); "
+                      help="comma-separated objectives (names or aliases, see `trustclip objectives`); an objective "
+                           "may appear again as a variant with its own hyper-parameters, NAME[KEY=VALUE,...], e.g. "
+                           "clip,clip[epsilon=0.329] (quote it for the shell); "
                            "default: the ones of the previous compare in --output-dir")
-    what.add_argument("--seeds", type=int, default=None, help="number of training seeds, 0..N-1 (default 3)")
+    what.add_argument("--seeds", type=int, default=None,
+                      help=f"number of training seeds, 0..N-1 (default {DEFAULT_SEEDS}; a paired interval is finite "
+                           "from 4 seeds, 5 or more to resolve anything but large differences)")
     what.add_argument("--seed-list", default=None, metavar="S1,S2,...", help="explicit seeds instead of --seeds")
     what.add_argument("--config", default=None, metavar="RECIPE.yaml", help="training recipe shared by all runs "
                       "(default: the embedded CPU setting of `trustclip train`)")
@@ -44,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="hyper-parameter of one objective, e.g. clip_higher.epsilon_high=0.28 (repeatable)")
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
+    where.add_argument("--runs-dir", type=Path, default=None, metavar="POOL",
+                       help="keep the runs in POOL/runs instead, a pool that several compares share: a run with the "
+                            "same settings (objective, hyper-parameters, seed, recipe) is made once and reported by "
+                            "each, and all start RL from one SFT model per seed")
     where.add_argument("--jobs", type=int, default=None, help="parallel runs (default min(2, cores))")
     where.add_argument("--threads-per-job", type=int, default=None, help="torch threads per run "
                        "(default cores // jobs)")
@@ -63,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep = parser.add_argument_group("report")
     rep.add_argument("--smooth", type=int, default=None, metavar="STEPS",
                      help="moving-average window of the training curves (default: a tenth of the run)")
+    rep.add_argument("--reference", default=None, metavar="GROUP",
+                     help="group the paired per-seed comparisons are against: a group name, an item of "
+                          "--objectives or an objective name (default: clip when compared, else the first group; "
+                          "a report setting: finished runs are kept, --report-only --reference X rebuilds)")
 
 
 def run(args: argparse.Namespace) -> int:

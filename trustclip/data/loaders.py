@@ -22,6 +22,7 @@ Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -147,18 +148,39 @@ def _load_file(path: Path, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:  # bytes, decoded line by line, so that a bad byte is reported with its line
+        for lineno, raw in enumerate(fh, 1):
+            line = _decode(raw, path, lineno)
             if not line.strip():
                 continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+            yield f"{path}:{lineno}", _loads(line, path, lineno)
+
+
+def _decode(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataFormatError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                              f"{err.start + 1}); save the file as UTF-8") from None
+
+
+def _loads(text: str, path: Path, lineno: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataFormatError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise DataFormatError(f"{path}:{lineno}: invalid JSON value ({err})") from None
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"
+                              ) from None
     stripped = text.lstrip()
     if not stripped:
         return
@@ -172,6 +194,8 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
             yield from _iter_jsonl(path)
             return
         raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise DataFormatError(f"{path}: invalid JSON value ({err})") from None
     if isinstance(obj, dict):
         lists = [v for v in obj.values() if isinstance(v, list)]
         if "data" in obj and isinstance(obj["data"], list):
@@ -199,6 +223,8 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
             obj, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+        except ValueError as err:  # e.g. an integer of more than 4300 digits
+            raise DataFormatError(f"{path}:{line}: invalid JSON value ({err})") from None
         yield f"{path}:{line}", obj
         pos = _skip_ws(text, pos)
         if pos < len(text) and text[pos] == ",":
@@ -251,6 +277,8 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     if gsm8k and problem is None:  # the hub's GSM8K names its problem field `question`
         problem, problem_key = record.get("question"), "question"
     for key, value in ((problem_key, problem), (answer_key, answer)):
+        if value is None and key in record:
+            raise DataFormatError(f"{where}: field {key!r} is null; give it a value (or drop the row)")
         if value is None:
             present = ", ".join(sorted(record)) or "none"
             raise DataFormatError(f"{where}: missing field {key!r} (fields present: {present})")
@@ -278,8 +306,13 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
         raise DataFormatError(f"{where}: field {key!r} must be a string or number, got {answer!r}")
     if isinstance(answer, float) and answer.is_integer():
         return str(int(answer))  # e.g. AMC sources store 142.0
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
     if isinstance(answer, int | float):
-        return str(answer)
+        try:
+            return str(answer)
+        except ValueError as err:  # an integer of more than 4300 digits
+            raise DataFormatError(f"{where}: field {key!r}: {err}") from None
     if isinstance(answer, str) and answer.strip():
         return answer.strip()
     raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")

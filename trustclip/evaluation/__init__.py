@@ -6,6 +6,7 @@ The evaluator pulls in torch and transformers, so it is imported lazily.
 from trustclip.evaluation.metrics import benchmark_metrics, mean_at_k, metric_curves, pass_at_k
 
 _LAZY = {
+    "EvalArgs",
     "EvalConfig",
     "EvalResult",
     "evaluate",

@@ -23,46 +23,72 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import StrictFloat, StrictInt, StrictStr
+
 from trustclip.evaluation.metrics import benchmark_metrics, metric_curves
+from trustclip.rewards import DEFAULT_TIMEOUT
 
 AVERAGE = "average"
+BACKENDS = ("auto", "hf", "vllm")
 
 
 @dataclass
-class EvalConfig:
-    """Sampling and scoring settings. Defaults follow the paper's evaluation (T=0.3, top-p 0.95, K=8)."""
+class EvalArgs:
+    """How a model is evaluated: sampling, budget and K (the paper's evaluation: T = 0.3, top-p 0.95, K = 8).
 
-    k: int = 8
-    n_samples: int | None = None  # samples per problem (>= k); None means k
-    temperature: float = 0.3
-    top_p: float = 0.95
+    The one declaration of these settings: it is the `eval` section of `trustclip train` (so the defaults are the
+    embedded CPU run's), `trustclip eval` and `trustclip compare` read it from there.
+    """
+
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}  # see trustclip.train.config.from_dict
+
+    k: StrictInt = field(default=8, metadata={"help": "K of Mean@K / Pass@K."})
+    n_samples: StrictInt | None = field(default=None, metadata={"help": "Samples per problem (>= k); default k."})
+    temperature: StrictFloat = field(default=0.3, metadata={"help": "Sampling temperature (paper: 0.3)."})
+    top_p: StrictFloat = field(default=0.95, metadata={"help": "Sampling top-p (paper: 0.95)."})
+    max_new_tokens: StrictInt = field(default=32, metadata={"help": "Generation budget per completion (tokens)."})
+    batch_size: StrictInt = field(default=512, metadata={"help": "Sequences per generate call."})
+    seed: StrictInt = field(default=0, metadata={"help": "Sampling seed (the same before and after training)."})
+    backend: StrictStr = field(default="auto", metadata={"help": "auto (vLLM when installed with a GPU), hf or vllm."})
+
+    def __post_init__(self) -> None:
+        for name in ("k", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
+        if self.n_samples is not None and self.n_samples < self.k:
+            raise ValueError(f"eval.n_samples={self.n_samples!r} is invalid: must be >= eval.k ({self.k})")
+        if not self.temperature >= 0:
+            raise ValueError(f"eval.temperature={self.temperature!r} is invalid: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p!r} is invalid: must be in (0, 1]")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"eval.backend={self.backend!r} is invalid: must be one of {', '.join(BACKENDS)}")
+
+    @property
+    def n(self) -> int:
+        return self.n_samples or self.k
+
+
+@dataclass
+class EvalConfig(EvalArgs):
+    """Everything `evaluate` needs: the evaluation settings plus how prompts are written and answers scored.
+    `trustclip train` / `trustclip eval` fill the latter from the run's `data.prompt_style`, `data.answer_fallback`
+    and `rl.reward_timeout`, so a run is evaluated exactly as it was rewarded."""
+
     top_k: int | None = None  # None disables top-k (the paper's -1)
-    max_new_tokens: int = 1024
-    batch_size: int = 32  # sequences per generate call
-    seed: int = 0
     prompt_style: str = "auto"  # see trustclip.data.templates
-    backend: str = "auto"  # "auto" | "hf" | "vllm"
-    reward_timeout: float = 5.0
-    answer_fallback: bool = True  # no \boxed{}: score the last `Answer:` line / last number (see trustclip.rewards)
+    reward_timeout: float = DEFAULT_TIMEOUT
+    answer_fallback: bool = False  # True: no \boxed{} -> the last `Answer:` line / last number (trustclip.rewards)
     answer_key: str = "answer"
     show_progress: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.k < 1:
-            raise ValueError(f"k must be >= 1, got {self.k}")
-        if self.n_samples is not None and self.n_samples < self.k:
-            raise ValueError(f"n_samples ({self.n_samples}) must be >= k ({self.k})")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
-        if self.backend not in ("auto", "hf", "vllm"):
-            raise ValueError(f"backend must be 'auto', 'hf' or 'vllm', got {self.backend!r}")
-
-    @property
-    def n(self) -> int:
-        return self.n_samples or self.k
+        super().__post_init__()
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: must be >= 0 (or None)")
+        if not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout!r} is invalid: must be > 0 seconds")
 
 
 @dataclass

@@ -33,11 +33,12 @@ _FAILED = ("trustclip verl plugin: %s failed (%s: %s); verl will report the trus
 try:  # verl logs plugin import errors only at DEBUG: make them visible first
     import torch
 
+    from trustclip.metric_names import VERL_NAMES, objective_name
     from trustclip.objectives import REGISTRY, Objective, get_objective, policy_metrics
+    from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
     from trustclip.objectives.batch import PolicyBatch
     from trustclip.objectives.loss import compute_token_loss
     from trustclip.objectives.registry import ALIASES, TokenLoss
-    from trustclip.trainers.metric_names import VERL_NAMES, objective_name
 except Exception as _err:
     _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
     raise
@@ -54,7 +55,12 @@ VERL_KNOBS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, 
               "tau_pos": 1.0, "tau_neg": 1.05}
 VERL_POLICY_LOSS_KNOBS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0,
                           "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}
-SEQUENCE_LEVEL = ("gspo", "sapo")  # their papers (and verl's sapo) aggregate seq-mean-token-mean
+SEQUENCE_LEVEL = ("gspo", "atr_seq", "sapo")  # their papers (and verl's sapo) aggregate seq-mean-token-mean
+NO_CONTROLLER = (
+    "adapts delta between updates with a controller that needs the statistics of whole updates, one value shared "
+    "by every worker, and a place in the checkpoints; verl calls a policy loss per micro-batch on each worker, "
+    "with no step boundary and no checkpoint hook"
+)
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 _warned: set[str] = set()
@@ -129,8 +135,9 @@ def normalize_kwargs(value: Any) -> dict[str, Any]:
 def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
     """The trustclip objective of a verl loss mode with `objective_kwargs` over trustclip's defaults.
 
-    Raises ValueError (naming the verl config key) on an unknown or invalid hyper-parameter, and when
-    the objective needs per-token inputs that verl's policy-loss interface does not pass.
+    Raises ValueError (naming the verl config key) on an unknown or invalid hyper-parameter, when the
+    objective needs per-token inputs that verl's policy-loss interface does not pass, and for an objective
+    whose delta a controller moves between updates (`atr_adaptive`), which that interface cannot host.
     """
     name = objective_for_loss_mode(loss_mode)
     try:
@@ -143,6 +150,9 @@ def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
             "interface does not provide (verl passes only log-probs, advantages, the response mask and rollout "
             "IS weights). Use it through trustclip's TRL trainer, or pick another objective."
         )
+    if objective.name in ADAPTIVE_OBJECTIVES:
+        raise ValueError(f"{loss_mode} {NO_CONTROLLER}. Use it through trustclip's TRL trainer, or trustclip_kl3 "
+                         "with a fixed delta.")
     return objective
 
 
@@ -317,6 +327,8 @@ def mapping_table() -> str:
             shown = "constraint (required: a trustclip `Constraint`)"
         elif spec.requires(defaults):
             notes += f"; needs {', '.join(spec.requires(defaults))}, which verl does not pass: not usable in verl"
+        elif name in ADAPTIVE_OBJECTIVES:
+            notes += "; moves delta across updates, which verl's loss interface cannot host: not usable in verl"
         rows.append(f"| `{loss_mode}` | `{name}` | {shown} | {notes} |")
     return "\n".join(rows)
 

@@ -1,6 +1,7 @@
 """Pure-torch policy objectives (no trainer imports): the unified clipping framework and baselines."""
 
-from trustclip.objectives import clipping, covariance, reweighting  # noqa: F401  (register objectives)
+from trustclip.objectives import adaptive, clipping, covariance, reweighting  # noqa: F401  (register objectives)
+from trustclip.objectives.adaptive import DeltaController
 from trustclip.objectives.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trustclip.objectives.aggregation import AGGREGATIONS, aggregate
 from trustclip.objectives.batch import PolicyBatch, make_batch
@@ -25,8 +26,8 @@ from trustclip.objectives.registry import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DivergenceConstraint", "FullKLConstraint",
-    "Objective", "PolicyBatch", "ProbabilityInterval", "RatioInterval", "TokenLoss", "aggregate",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DeltaController", "DivergenceConstraint",
+    "FullKLConstraint", "Objective", "PolicyBatch", "ProbabilityInterval", "RatioInterval", "TokenLoss", "aggregate",
     "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence", "get_objective",
     "kl_constraint", "list_objectives", "make_batch", "policy_metrics", "ratio_bounds", "register_objective",
 ]

@@ -23,6 +23,7 @@ from scipy.special import lambertw
 
 __all__ = [
     "check_delta",
+    "check_probability",
     "divergence_bounds",
     "is_kl3_bounds",
     "kl1_bounds",
@@ -46,6 +47,28 @@ def check_delta(delta: float, name: str = "delta") -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {delta!r}")
     return value
+
+
+def check_probability(q, name: str = "q"):
+    """Return q unchanged, or raise ValueError unless every value is a probability in (0, 1] (q = pi_old(y_t) is the
+    probability of a sampled token, so 0 cannot occur; NaN, inf and values outside the range are rejected)."""
+    if hasattr(q, "detach"):  # torch tensor
+        values = q.detach().double().flatten()
+        bad = ~((values > 0) & (values <= 1))
+        first = values[bad][0].item() if bool(bad.any()) else None
+    else:
+        try:
+            values = np.asarray(q, dtype=np.float64).ravel()
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a probability in (0, 1], got {q!r}") from None
+        bad = ~((values > 0) & (values <= 1))
+        first = float(values[bad][0]) if bad.any() else None
+    if values.size == 0:
+        raise ValueError(f"{name} is empty: give at least one probability in (0, 1]")
+    if first is not None:
+        raise ValueError(f"{name} must be a probability in (0, 1] (the old probability of the sampled token), "
+                         f"got {first!r}")
+    return q
 
 
 # Per-token divergence estimators of the ratio w (numpy or torch, elementwise).
@@ -79,6 +102,11 @@ def kl3_bounds(delta: float) -> tuple[float, float]:
     z = -math.exp(-(1.0 + delta))
     low = -lambertw(z, 0).real
     high = -lambertw(z, -1).real
+    if not math.isfinite(high):
+        # z underflows to -0 for delta > ~700 and W_{-1}(-0) = -inf, yet the root is finite (about delta + log delta):
+        # solve u - 1 - log u = delta on its bracket (1 + delta, 2 (1 + delta)) instead.
+        high = brentq(lambda u: u - 1.0 - math.log(u) - delta, 1.0 + delta, 2.0 * (1.0 + delta), xtol=1e-12,
+                      rtol=4 * np.finfo(float).eps)
     return float(low), float(high)
 
 
@@ -95,13 +123,13 @@ def kl2_bounds(delta: float) -> tuple[float, float]:
     """Region of (log w)^2 / 2 <= delta: symmetric in log space."""
     delta = check_delta(delta)
     r = math.sqrt(2.0 * delta)
-    return math.exp(-r), math.exp(r)
+    return math.exp(-r), (math.exp(r) if r < 709.0 else math.inf)  # exp overflows float64 beyond ~709.78
 
 
 def kl1_bounds(delta: float, two_sided: bool = False) -> tuple[float, float]:
     """Region of -log w <= delta (one-sided: no upper bound) or of |log w| <= delta."""
     delta = check_delta(delta)
-    return math.exp(-delta), (math.exp(delta) if two_sided else math.inf)
+    return math.exp(-delta), (math.exp(delta) if two_sided and delta < 709.0 else math.inf)
 
 
 def divergence_bounds(
@@ -109,12 +137,18 @@ def divergence_bounds(
 ) -> tuple[float, float]:
     """Interval {w > 0 : D(w) <= delta} for any D convex in w with D(1) = 0, found with brentq.
 
-    A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf.
+    A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf. A D that is NaN
+    anywhere on [1e-12, w_max] is rejected: the constraint would silently hold nowhere (or everywhere) there.
     """
     delta = check_delta(delta)
     d1 = float(divergence(1.0))
-    if abs(d1) > 1e-12:
+    if not abs(d1) <= 1e-12:  # also catches NaN
         raise ValueError(f"divergence must be 0 at w = 1 (got D(1) = {d1}); is it a divergence of the ratio?")
+    for w in np.geomspace(1e-12, w_max, 181):
+        value = float(divergence(float(w)))
+        if math.isnan(value) or value == -math.inf:
+            raise ValueError(f"divergence is {value} at w = {w:.4g}: it must be a number (or +inf) for every ratio "
+                             f"w in [1e-12, {w_max:g}]")
 
     def excess(w: float) -> float:
         return float(divergence(w)) - delta
@@ -129,12 +163,12 @@ def divergence_bounds(
 def dcpo_bounds(q, epsilon_low: float = 0.16, epsilon_high: float = 0.2, max_high: float = 10.0):
     """DCPO dynamic adaptive clipping (arXiv 2509.02333): from |w - 1| * w <= eps / q,
     l(q) = 1/2 + 1/2 sqrt(max(1 - 4 eps_l / q, 0)),  u(q) = min(1/2 + 1/2 sqrt(1 + 4 eps_h / q), max_high).
-    Works on floats, numpy arrays and torch tensors."""
+    Works on floats, numpy arrays and torch tensors (q in (0, 1]; checked for floats and arrays)."""
     if hasattr(q, "clamp"):
         low = 0.5 + 0.5 * (1 - 4 * epsilon_low / q).clamp(min=0).sqrt()
         high = (0.5 + 0.5 * (1 + 4 * epsilon_high / q).sqrt()).clamp(max=max_high)
         return low, high
-    q = np.asarray(q, dtype=np.float64)
+    q = np.asarray(check_probability(q), dtype=np.float64)
     low = 0.5 + 0.5 * np.sqrt(np.maximum(1 - 4 * epsilon_low / q, 0.0))
     high = np.minimum(0.5 + 0.5 * np.sqrt(1 + 4 * epsilon_high / q), max_high)
     return (float(low), float(high)) if low.ndim == 0 else (low, high)
@@ -167,6 +201,8 @@ def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iteration
     Newton's method from the right end of the bracket decreases monotonically to the root, quadratically.
     """
     delta = check_delta(delta)
+    if not hasattr(q, "clamp"):
+        check_probability(q)
     xp = _Ops(q)
     qd = xp.clip_probability(q)
     log_1mq, log_q = xp.log1p(-qd), xp.log(qd)

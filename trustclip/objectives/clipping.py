@@ -21,7 +21,7 @@ from trustclip.objectives.constraints import (
     RatioInterval,
     kl_constraint,
 )
-from trustclip.objectives.registry import Param, TokenLoss, anything, choice, number, register_objective
+from trustclip.objectives.registry import TokenLoss, anything, choice, number, register_objective
 
 EPS_RULE = dict(low=0.0, high=1.0)  # ratio-clip epsilons: 1 - eps must stay a valid ratio >= 0
 
@@ -171,54 +171,63 @@ def trgppo(batch: PolicyBatch, *, delta: float, epsilon: float | None) -> TokenL
 
 
 # --------------------------------------------------------------------------- estimator-constrained clipping
-def _kl_objective(kind: str, extra_params: dict[str, Param] | None = None, **options):
-    def fn(batch: PolicyBatch, *, delta: float, **kw) -> TokenLoss:
-        return clipped_surrogate(batch, kl_constraint(kind, delta, **kw))
-
-    def bounds(hp):
-        return kl_constraint(kind, hp["delta"], **{k: hp[k] for k in hp if k != "delta"}).bounds
-
-    params = {"delta": number(0.07, low=0.0, strict_low=True, doc="threshold on the estimator")}
-    return fn, params | (extra_params or {}), bounds
+DELTA = number(0.07, low=0.0, strict_low=True, doc="threshold on the estimator")
 
 
-_kl1, _kl1_params, _kl1_bounds = _kl_objective("kl1", {"two_sided": choice(False, True, doc="|log w| <= delta")})
-_kl1.__doc__ = """KL1 clipping: C = -log w <= delta, i.e. w >= exp(-delta); one-sided (no upper bound, A > 0
-tokens are never clipped), the reading of the reference notes. two_sided=True uses |log w| <= delta."""
-register_objective(
-    "kl1", source="ATR paper ablation (arXiv 2602.05494, Table 3); k1 estimator, Schulman 2020",
-    summary="C = -log w <= delta (one-sided by default)", params=_kl1_params, bounds=_kl1_bounds,
-)(_kl1)
-
-_kl2, _kl2_params, _kl2_bounds = _kl_objective("kl2")
-_kl2.__doc__ = "KL2 clipping: C = (log w)^2 / 2 <= delta, i.e. w in [exp(-sqrt(2 delta)), exp(sqrt(2 delta))]."
-register_objective(
-    "kl2", source="ATR paper ablation (arXiv 2602.05494, Table 3); k2 estimator, Schulman 2020",
-    summary="C = (log w)^2 / 2 <= delta", params=_kl2_params, bounds=_kl2_bounds,
-)(_kl2)
-
-_kl3, _kl3_params, _kl3_bounds = _kl_objective("kl3")
-_kl3.__doc__ = """ATR-GRPO: C = KL3 = w - 1 - log w <= delta (arXiv 2602.05494, eq. 6 and Theorem 4.2).
-Exactly asymmetric ratio clipping with l = -W_0(-e^{-(1+delta)}), u = -W_{-1}(-e^{-(1+delta)});
-delta = 0.07 gives [0.6710, 1.4222]."""
-register_objective(
-    "kl3", source="ATR-GRPO, Wu, Wang et al. 2026 (arXiv 2602.05494); k3 estimator, Schulman 2020",
-    summary="ATR-GRPO: C = w - 1 - log w <= delta (Lambert-W bounds)", params=_kl3_params,
-    bounds=_kl3_bounds, aliases=("atr", "atr_grpo"),
-)(_kl3)
-
-_is_kl3, _is_kl3_params, _is_kl3_bounds = _kl_objective(
-    "is_kl3", {"form": choice("w_log_w", "w_times_kl3", doc="which IS-weighted KL3 reading")}
+@register_objective(
+    "kl1",
+    source="ATR paper ablation (arXiv 2602.05494, Table 3); k1 estimator, Schulman 2020",
+    summary="C = -log w <= delta (one-sided by default)",
+    params={"delta": DELTA, "two_sided": choice(False, True, doc="|log w| <= delta")},
+    bounds=lambda hp: kl_constraint("kl1", hp["delta"], two_sided=hp["two_sided"]).bounds,
 )
-_is_kl3.__doc__ = """IS-weighted KL3 clipping: C = w log w - w + 1 <= delta (= w * k3(1/w), unbiased for
-KL(pi_theta || pi_old); the reading the reference notes recommend, an interval). form='w_times_kl3'
-uses w (w - 1 - log w) <= delta instead, whose feasible set is not an interval."""
-register_objective(
-    "is_kl3", source="ATR paper ablation (arXiv 2602.05494, Table 3); IS-weighted k3",
-    summary="C = w log w - w + 1 <= delta", params=_is_kl3_params,
-    bounds=lambda hp: _is_kl3_bounds(hp) or _no_interval("is_kl3 with form='w_times_kl3'"),
+def kl1(batch: PolicyBatch, *, delta: float, two_sided: bool) -> TokenLoss:
+    """KL1 clipping: C = -log w <= delta, i.e. w >= exp(-delta); one-sided (no upper bound, A > 0 tokens are
+    never clipped), the reading of the reference notes. two_sided=True uses |log w| <= delta."""
+    return clipped_surrogate(batch, kl_constraint("kl1", delta, two_sided=two_sided))
+
+
+@register_objective(
+    "kl2",
+    source="ATR paper ablation (arXiv 2602.05494, Table 3); k2 estimator, Schulman 2020",
+    summary="C = (log w)^2 / 2 <= delta",
+    params={"delta": DELTA},
+    bounds=lambda hp: kl_constraint("kl2", hp["delta"]).bounds,
+)
+def kl2(batch: PolicyBatch, *, delta: float) -> TokenLoss:
+    """KL2 clipping: C = (log w)^2 / 2 <= delta, i.e. w in [exp(-sqrt(2 delta)), exp(sqrt(2 delta))]."""
+    return clipped_surrogate(batch, kl_constraint("kl2", delta))
+
+
+@register_objective(
+    "kl3",
+    source="ATR-GRPO, Wu, Wang et al. 2026 (arXiv 2602.05494); k3 estimator, Schulman 2020",
+    summary="ATR-GRPO: C = w - 1 - log w <= delta (Lambert-W bounds)",
+    params={"delta": DELTA},
+    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
+    aliases=("atr", "atr_grpo"),
+)
+def kl3(batch: PolicyBatch, *, delta: float) -> TokenLoss:
+    """ATR-GRPO: C = KL3 = w - 1 - log w <= delta (arXiv 2602.05494, eq. 6 and Theorem 4.2).
+    Exactly asymmetric ratio clipping with l = -W_0(-e^{-(1+delta)}), u = -W_{-1}(-e^{-(1+delta)});
+    delta = 0.07 gives [0.6710, 1.4222]."""
+    return clipped_surrogate(batch, kl_constraint("kl3", delta))
+
+
+@register_objective(
+    "is_kl3",
+    source="ATR paper ablation (arXiv 2602.05494, Table 3); IS-weighted k3",
+    summary="C = w log w - w + 1 <= delta",
+    params={"delta": DELTA, "form": choice("w_log_w", "w_times_kl3", doc="which IS-weighted KL3 reading")},
+    bounds=lambda hp: (kl_constraint("is_kl3", hp["delta"], form=hp["form"]).bounds
+                       or _no_interval("is_kl3 with form='w_times_kl3'")),
     check_all=lambda hp: kl_constraint("is_kl3", hp["delta"], form=hp["form"]),
-)(_is_kl3)
+)
+def is_kl3(batch: PolicyBatch, *, delta: float, form: str) -> TokenLoss:
+    """IS-weighted KL3 clipping: C = w log w - w + 1 <= delta (= w * k3(1/w), unbiased for KL(pi_theta || pi_old);
+    the reading the reference notes recommend, an interval). form='w_times_kl3' uses w (w - 1 - log w) <= delta
+    instead, whose feasible set is not an interval."""
+    return clipped_surrogate(batch, kl_constraint("is_kl3", delta, form=form))
 
 
 def _no_interval(what: str):

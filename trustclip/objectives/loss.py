@@ -9,6 +9,10 @@ from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.registry import Objective, TokenLoss, get_objective
 
 EXTRA_INPUTS = ("entropy", "full_kl")
+# Inputs that are non-negative by definition (an entropy, a KL, a weight). Computed in float32 an exact 0 can come
+# out a hair below it, so values down to -NONNEGATIVE_TOLERANCE pass; anything lower is a bug upstream.
+NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")
+NONNEGATIVE_TOLERANCE = 1e-4
 # Objective-independent measure of how off-policy an update is: the fraction of valid tokens whose ratio left
 # PPO's default region [1 - 0.2, 1 + 0.2]. It is logged for every objective (the unconstrained control too),
 # so that "the constraint never acted" can be told apart from "the ratio never moved".
@@ -48,10 +52,30 @@ def compute_token_loss(
     if token_weights is not None:
         extra = {**extra, "token_weights": token_weights}
     batch = make_batch(logp, old_logp, advantages, mask, extra)
+    for name in NONNEGATIVE_INPUTS:
+        _check_nonnegative(name, batch.extras.get(name), batch.mask)
     weights = batch.extras.pop("token_weights", None)
     out = objective(batch)
     out.loss = out.loss * batch.mask if weights is None else out.loss * batch.mask * weights.detach()
     return out, batch
+
+
+def _check_nonnegative(name: str, x: torch.Tensor | None, mask: torch.Tensor) -> None:
+    if x is None:
+        return
+    bad = (x.detach() < -NONNEGATIVE_TOLERANCE) & (mask > 0)
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be >= 0 on every valid token; found {int(bad.sum())} negative value(s) "
+                         f"(first at index {where}: {x[where].item():.4g})")
+
+
+def _check_global_count(name: str, value: float | None, local: float, what: str) -> None:
+    """A global count of the optimizer step counts this micro-batch too, so it cannot be smaller."""
+    if value is not None and float(value) < local:
+        raise ValueError(f"{name}={value} is smaller than this batch's {local:g} {what}: it must be the global count "
+                         "of the optimizer step (every micro-batch and process; with DDP also pass num_processes), "
+                         "or None for this batch alone")
 
 
 def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
@@ -93,21 +117,36 @@ def compute_policy_loss(
     max_len: int | None = None,
     num_tokens: float | None = None,
     num_sequences: float | None = None,
+    num_processes: int = 1,
     token_weights: torch.Tensor | None = None,
     **extra: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss of `objective` on one batch, and its metrics.
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation` is one of token_mean,
-    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`); `num_tokens` /
-    `num_sequences` are global denominators for faithful normalisation across gradient accumulation
-    and processes (see `trustclip.objectives.aggregation`). Raises ValueError on bad input.
+    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`). `num_tokens` / `num_sequences` are the
+    global counts of the optimizer step (every micro-batch on every process), for faithful normalisation across
+    gradient accumulation and processes (see `trustclip.objectives.aggregation`); a count below this batch's is an
+    error. `num_processes`: with DDP, which averages the processes' gradients, each returns num_processes times its
+    share, so that the average is the one-big-batch gradient. With seq_mean_token_sum, `num_sequences` is the
+    normaliser of a sum (1 gives the plain token sum, verl's token-sum) and is not checked. Raises ValueError on
+    bad input.
     """
     check_aggregation(aggregation)
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
     out, batch = compute_token_loss(
         objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
         token_weights=token_weights, **extra,
     )
-    loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=num_tokens,
-                     num_sequences=num_sequences)
+
+    def share(count: float | None) -> float | None:
+        return None if count is None else float(count) / num_processes
+
+    loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=share(num_tokens),
+                     num_sequences=share(num_sequences))
+    if aggregation == "token_mean":
+        _check_global_count("num_tokens", num_tokens, float(batch.mask.sum()), "valid tokens")
+    elif aggregation != "seq_mean_token_sum":
+        _check_global_count("num_sequences", num_sequences, float(batch.mask.shape[0]), "sequences")
     return loss, policy_metrics(out, batch)

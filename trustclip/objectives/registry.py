@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.bounds import check_probability
 
 
 @dataclass
@@ -163,13 +164,17 @@ def get_objective(name: str | Objective, **hparams: Any) -> Objective:
 def ratio_bounds(name: str | Objective, q: Any = None, **hparams: Any):
     """Ratio region (low, high) of an objective's constraint.
 
-    For probability-dependent regions (dcpo, trgppo) pass `q` (old token probability: float, array or
+    For probability-dependent regions (dcpo, trgppo) pass `q` (old token probability in (0, 1]: float, array or
     tensor) to get the bounds there; without q you get a pair of functions of q.
     """
     objective = get_objective(name, **hparams)
     spec = objective.spec
     if spec.bounds is None:
         raise ValueError(f"objective {spec.name!r} has no ratio interval: {spec.summary}")
+    if q is not None and not spec.q_dependent:
+        raise ValueError(f"objective {spec.name!r} has constant bounds; q does not apply")
+    if q is not None:
+        check_probability(q)
     if spec.q_dependent:
         if q is None:
             return (lambda x: spec.bounds(objective.hparams, x)[0], lambda x: spec.bounds(objective.hparams, x)[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from trustclip.objectives import bounds as B
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.clipping import EPS_RULE, _interval_bounds
 from trustclip.objectives.registry import TokenLoss, choice, number, register_objective
@@ -115,6 +116,29 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     )
 
 
+def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> TokenLoss:
+    """-min(s A, clip(s, low, high) A) per token with GSPO's sequence ratio s_i = exp((1/L_i) sum_t log w_t).
+
+    Built in verl's GSPO-token form s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (log clamped at 10): its value is s_i on
+    every token of sequence i and d s_it / d logp_t = s_it. With a sequence advantage A_i and seq_mean_token_mean
+    aggregation the loss is exactly -(1/B) sum_i J_i and its gradient is GSPO's, A_i s_i (1/L_i) sum_t grad logp_t,
+    zero for the whole sequence when s_i left [low, high] in the direction A_i favours. With per-token advantages
+    A_it (GSPO-token) the gate is still the sequence's ratio, the direction test each token's."""
+    mask, adv = batch.mask, batch.advantages
+    lengths = mask.sum(-1).clamp(min=1)
+    seq_log_ratio = (batch.log_ratio * mask).sum(-1) / lengths
+    token_log_ratio = (seq_log_ratio.detach().unsqueeze(-1) + batch.logp - batch.logp.detach()).clamp(max=10.0)
+    s = token_log_ratio.exp()
+    loss = -torch.minimum(s * adv, s.clamp(low, high) * adv)
+    seq_ratio = s.detach()
+    return TokenLoss(
+        loss,
+        clipped_low=(s < low) & (adv < 0),
+        clipped_high=(s > high) & (adv > 0),
+        stats={"seq_ratio_mean": seq_ratio, "seq_kl3_mean": seq_ratio - 1 - token_log_ratio.detach()},
+    )
+
+
 @register_objective(
     "gspo",
     source="GSPO group sequence policy optimization, Zheng et al. 2025 (arXiv 2507.18071)",
@@ -123,19 +147,33 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     bounds=_interval_bounds("epsilon_low", "epsilon_high"),
 )
 def gspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float) -> TokenLoss:
-    """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t).
-    Built in verl's GSPO-token form, s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (log clamped at 10), whose
-    gradient with seq_mean_token_mean aggregation (the paper's) equals GSPO's."""
-    mask, adv = batch.mask, batch.advantages
-    lengths = mask.sum(-1).clamp(min=1)
-    seq_log_ratio = (batch.log_ratio * mask).sum(-1) / lengths
-    token_log_ratio = (seq_log_ratio.detach().unsqueeze(-1) + batch.logp - batch.logp.detach()).clamp(max=10.0)
-    s = token_log_ratio.exp()
-    low, high = 1 - epsilon_low, 1 + epsilon_high
-    loss = -torch.minimum(s * adv, s.clamp(low, high) * adv)
-    return TokenLoss(
-        loss,
-        clipped_low=(s < low) & (adv < 0),
-        clipped_high=(s > high) & (adv > 0),
-        stats={"seq_ratio_mean": s.detach()},
-    )
+    """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t), in verl's
+    GSPO-token form (`sequence_clipped_surrogate`), whose gradient with seq_mean_token_mean aggregation (the
+    paper's) equals GSPO's."""
+    return sequence_clipped_surrogate(batch, 1 - epsilon_low, 1 + epsilon_high)
+
+
+# GSPO's published range [1 - 3e-4, 1 + 4e-4] has KL3 4.5e-8 at its lower and 8.0e-8 at its upper end; atr_seq's
+# default delta is their geometric mean, 6.0e-8: region [1 - 3.464e-4, 1 + 3.465e-4], width 6.93e-4 (GSPO's: 7e-4).
+# Why this calibration, and what it leaves open: docs/beyond-the-paper.md.
+ATR_SEQ_DELTA = 6e-8
+
+
+@register_objective(
+    "atr_seq",
+    source="ATR-GRPO's KL3 constraint (arXiv 2602.05494, Section 6.5 future work) on GSPO's sequence ratio "
+           "(arXiv 2507.18071); beyond both papers",
+    summary="sequence-level ATR: KL3(s_i) = s_i - 1 - log s_i <= delta on GSPO's ratio s_i, Lambert-W bounds",
+    params={"delta": number(ATR_SEQ_DELTA, low=0.0, strict_low=True,
+                            doc="calibrated to GSPO's range: KL3 of a sequence ratio is ~(mean log w)^2 / 2")},
+    bounds=lambda hp: B.kl3_bounds(hp["delta"]),
+)
+def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
+    """J_i = min(s_i A_i, clip(s_i, l_delta, u_delta) A_i), s_i = exp((1/L_i) sum_t log w_t), where
+    [l, u] = [-W_0(-e^{-(1+delta)}), -W_{-1}(-e^{-(1+delta)})] is the region of KL3(s) = s - 1 - log s <= delta
+    (ATR's Theorem 4.2 applied to s). Gradient (seq_mean_token_mean, A_i per sequence):
+        d J_i / d logp_it = A_i s_i / L_i   if l <= s_i <= u or (s_i - 1) A_i <= 0,   else 0.
+    For small delta l, u = 1 -+ sqrt(2 delta) + 2 delta / 3 + O(delta^1.5): at GSPO's scale the region is symmetric
+    to 1e-7 (u - 1 - (1 - l) = 4 delta / 3), so ATR's asymmetry does not carry over at the default delta."""
+    low, high = B.kl3_bounds(delta)
+    return sequence_clipped_surrogate(batch, low, high)

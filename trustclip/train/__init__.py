@@ -4,13 +4,21 @@ pipeline SFT for format -> RLVR -> evaluation.
     from trustclip.train import load_config, run_pipeline
     summary = run_pipeline(load_config("recipes/qwen3_1.7b_atr.yaml", ["rl.max_steps=10"], output_dir="runs/x"))
 
-`run_pipeline(config) -> dict` writes everything into `config.output_dir` (see `trustclip.train.pipeline`).
+`run_pipeline(config) -> dict` writes everything into `config.output_dir` (see `trustclip.train.pipeline`);
+`check_run(config)` checks everything a run needs without doing any of it (the pipeline's first step).
 Heavy libraries (torch, transformers, TRL) are imported when a stage runs, not on import.
 """
 
 from trustclip.train.config import STAGES, TrainConfig, load_config, option_table
 
-__all__ = ["STAGES", "TrainConfig", "load_config", "option_table", "run_pipeline"]
+__all__ = ["STAGES", "TrainConfig", "check_run", "load_config", "option_table", "run_pipeline"]
+
+
+def check_run(config: TrainConfig) -> None:
+    """See `trustclip.train.checks.check_run`."""
+    from trustclip.train.checks import check_run as _check
+
+    _check(config)
 
 
 def run_pipeline(config: TrainConfig, printer=None) -> dict:

@@ -11,8 +11,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trustclip import metric_names as names
 from trustclip.files import append_jsonl, read_jsonl, write_jsonl_atomic
-from trustclip.trainers import metric_names as names
 
 
 class JsonlMetricsCallback(TrainerCallback):

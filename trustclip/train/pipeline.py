@@ -21,14 +21,16 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
+from trustclip.train.checks import check_run
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
-from trustclip.train.stages import load_policy, run_eval, run_rl, run_sft
+from trustclip.train.stages import load_policy, rl_rows, run_eval, run_rl, run_sft, sft_rows
 
 STAGE_ORDER = ("sft", "eval_before", "rl", "eval_after")
 # What a stage's fresh re-run invalidates (itself and everything downstream of its model).
@@ -53,7 +55,13 @@ class Run:
         self.ran: dict[str, float] = {}  # stages finished by this process
 
     def print(self, message: str) -> None:
-        if self.main and not self.config.quiet:
+        """A progress line (not with quiet)."""
+        if not self.config.quiet:
+            self.say(message)
+
+    def say(self, message: str) -> None:
+        """A line the user gets even with quiet (the final table)."""
+        if self.main:
             self._printer(message)
 
     def done(self, stage: str) -> bool:
@@ -71,7 +79,8 @@ class Run:
 
 def prepare_output_dir(run: Run) -> None:
     """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
-    (and those of every stage downstream of them) are removed. Nothing else in output_dir is touched."""
+    (and those of every stage downstream of them) are removed, and config.yaml records the settings. Nothing
+    else in output_dir is touched."""
     config, out = run.config, run.out
     if not config.resume:
         stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
@@ -82,7 +91,7 @@ def prepare_output_dir(run: Run) -> None:
             run.state.pop(stage)
             if run.main:
                 _remove_stage_files(out, stage)
-    if run.main:
+    if run.main and not config.resume:  # a resumed run keeps the config.yaml it was started with
         import yaml
 
         write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -101,8 +110,13 @@ def _remove_stage_files(out: Path, stage: str) -> None:
 
 
 def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the configured stages; returns (and writes) the summary dict. See the module docstring."""
+    """Run the configured stages; returns (and writes) the summary dict. See the module docstring.
+
+    Everything is checked first (`check_run`), then every data row the run will use is read and validated, and
+    only then is a model loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
     t_start = time.perf_counter()
+    check_run(config)
+    data = load_stage_data(config)
     _quiet_libraries()
     run = Run(config, printer)
     prepare_output_dir(run)
@@ -115,11 +129,11 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     if "sft" in stages and not run.done("sft"):
         t = time.perf_counter()
         run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
-        model = run_sft(model, tokenizer, config, run.out, run.print)
+        model = run_sft(model, tokenizer, config, run.out, run.print, rows=data.sft)
         _save(run, model, tokenizer, sft_final)
         run.finish("sft", time.perf_counter() - t, model=str(sft_final))
 
-    benchmarks = load_benchmarks(config) if "eval" in stages or config.rl.eval_every else None
+    benchmarks = data.benchmarks
     if "eval" in stages and not run.done("eval_before"):
         _evaluate(run, "before", model, tokenizer, benchmarks)
 
@@ -129,7 +143,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
                   f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
         periodic = _periodic_eval(run, tokenizer, benchmarks) if benchmarks else None
-        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic)
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic, rows=data.rl)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if run.main:
             trainer.save_model(str(rl_final))
@@ -147,9 +161,26 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
             _plots(run)
         write_json_atomic(run.out / "summary.json", summary)
-        print_table(summary, run.print)
+        print_table(summary, run.say)  # also with quiet: the final table is what quiet keeps
     run.dist.wait_for_everyone()
     return summary
+
+
+@dataclass
+class StageData:
+    """The rows of every stage that will run, read and validated before any model is loaded."""
+
+    sft: list[dict[str, Any]] | None
+    rl: list[dict[str, Any]] | None
+    benchmarks: dict[str, list[dict[str, Any]]] | None
+
+
+def load_stage_data(config: TrainConfig) -> StageData:
+    stages = config.stages
+    evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
+    return StageData(sft=sft_rows(config) if "sft" in stages else None,
+                     rl=rl_rows(config) if "rl" in stages else None,
+                     benchmarks=load_benchmarks(config) if evaluates else None)
 
 
 def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from trustclip import metric_names as names
 from trustclip.files import read_jsonl
-from trustclip.trainers import metric_names as names
 
 # file stem -> (title, [(metric, label)])
 PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {

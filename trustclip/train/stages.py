@@ -3,10 +3,16 @@ SFT for format (TRL `SFTTrainer`), RLVR (`TrustClipGRPOTrainer`), and held-out e
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+import struct
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trustclip.files import read_json
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_rows
@@ -24,7 +30,8 @@ def accelerator_kwargs() -> dict[str, Any]:
     return {"bf16": False, "use_cpu": True}
 
 
-def _dtype(config: TrainConfig) -> Any:
+def model_dtype(config: TrainConfig) -> Any:
+    """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
     import torch
 
     if config.model.dtype == "auto":
@@ -39,7 +46,7 @@ def load_policy(name_or_path: str | Path, config: TrainConfig) -> tuple[Any, Any
     if str(name_or_path) == TINY_MODEL_NAME and config.model.tiny:
         name_or_path = build_tiny_model(**config.model.tiny)  # cached per shape
     path = Path(str(name_or_path))
-    kwargs = {"dtype": _dtype(config), "trust_remote_code": config.model.trust_remote_code}
+    kwargs = {"dtype": model_dtype(config), "trust_remote_code": config.model.trust_remote_code}
     if (path / "adapter_config.json").is_file():
         import json
 
@@ -74,20 +81,60 @@ def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, max_steps: int
         trainer.add_callback(ProgressCallback(stage, every=max(1, max_steps // 15), printer=printer))
 
 
-def _last_checkpoint(folder: Path) -> str | None:
-    from transformers.trainer_utils import get_last_checkpoint
+def last_checkpoint(folder: Path, printer: Printer = print) -> str | None:
+    """The newest complete `checkpoint-N` in `folder` (None: there is none). A kill can leave the newest one half
+    written (HF Trainer writes its files in place, trainer_state.json last): it is skipped, and said so."""
+    if not folder.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir()
+                   and (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
+    for _, path in reversed(steps):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        printer(f"note: skipping {path}: {problem} (a kill while it was being written)")
+    if steps:
+        printer(f"note: no complete checkpoint in {folder}: this stage starts from its beginning")
+    return None
 
-    return get_last_checkpoint(str(folder)) if folder.is_dir() else None
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from, or None when it is complete: trainer_state.json (written
+    last) and every other JSON file parse, and every weight / state file is whole (safetensors: header and data
+    sizes add up; torch `.pt` / `.pth` / `.bin`: the zip archive's directory, written at its end, is there)."""
+    if not (folder / "trainer_state.json").is_file():
+        return "trainer_state.json is missing"
+    if not any(folder.glob("*.safetensors")) and not (folder / "pytorch_model.bin").is_file():
+        return "it holds no model weights"
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".json" and read_json(path) is None:
+            return f"{path.name} is not valid JSON"
+        if path.suffix == ".safetensors" and not _whole_safetensors(path):
+            return f"{path.name} is cut short"
+        if path.suffix in (".pt", ".pth", ".bin") and not zipfile.is_zipfile(path):
+            return f"{path.name} is cut short"
+    return None
 
 
-def _common_args(config: TrainConfig, folder: Path, section: Any) -> dict[str, Any]:
+def _whole_safetensors(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError, struct.error):
+        return False
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    return path.stat().st_size == 8 + size + max(ends, default=0)
+
+
+def _trainer_args(config: TrainConfig, folder: Path, section: Any, trl_config: type) -> dict[str, Any]:
+    """TrainingArguments of a stage: the section's fields that `trl_config` has (same names, handed over as they
+    are: one declaration), and the settings every stage shares."""
+    same_name = {f.name for f in dataclasses.fields(trl_config)}
     return dict(
-        output_dir=str(folder), max_steps=section.max_steps, learning_rate=section.learning_rate,
-        lr_scheduler_type=section.lr_scheduler_type, warmup_steps=section.warmup_steps,
-        weight_decay=section.weight_decay, per_device_train_batch_size=section.per_device_train_batch_size,
-        gradient_accumulation_steps=section.gradient_accumulation_steps, seed=config.seed,
-        report_to=config.report_to or "none", disable_tqdm=True, save_strategy="steps",
-        activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
+        {k: v for k, v in dataclasses.asdict(section).items() if k in same_name},
+        output_dir=str(folder), seed=config.seed, report_to=config.report_to or "none", disable_tqdm=True,
+        save_strategy="steps", activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
         **accelerator_kwargs(),
     )
 
@@ -107,22 +154,29 @@ def sft_rows(config: TrainConfig) -> list[dict[str, Any]]:
     return [{**r, "solution": r[s.solution_key]} for r in rows]
 
 
-def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer) -> Any:
+def sft_config(config: TrainConfig, folder: Path) -> Any:
+    """TRL's SFTConfig of the SFT stage (its own checks run here)."""
+    from trl import SFTConfig
+
+    s = config.sft
+    return SFTConfig(**_trainer_args(config, folder, s, SFTConfig), save_steps=max(1, s.max_steps // 2),
+                     save_total_limit=1, logging_steps=max(1, s.max_steps // 30), completion_only_loss=True)
+
+
+def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
+            rows: list[dict[str, Any]] | None = None) -> Any:
     """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model."""
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
 
     from trustclip.data import sft_examples
 
-    s = config.sft
-    examples = sft_examples(sft_rows(config), tokenizer, style=config.data.prompt_style)
+    examples = sft_examples(rows if rows is not None else sft_rows(config), tokenizer, style=config.data.prompt_style)
     folder = out / "sft"
-    args = SFTConfig(**_common_args(config, folder, s), max_length=s.max_length, save_steps=max(1, s.max_steps // 2),
-                     save_total_limit=1, logging_steps=max(1, s.max_steps // 30), completion_only_loss=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
+    trainer = SFTTrainer(model=model, args=sft_config(config, folder), train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
-    _quiet_trainer(trainer, "sft", config, s.max_steps, out, printer)
-    trainer.train(resume_from_checkpoint=_last_checkpoint(folder) if config.resume else None)
+    _quiet_trainer(trainer, "sft", config, config.sft.max_steps, out, printer)
+    trainer.train(resume_from_checkpoint=last_checkpoint(folder, printer) if config.resume else None)
     model = trainer.accelerator.unwrap_model(trainer.model)
     if config.model.lora:
         model = model.merge_and_unload()  # RL puts a fresh adapter on the SFT-merged weights (paper's setup)
@@ -131,32 +185,29 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
 
 # ------------------------------------------------------------------ RL
 def grpo_config(config: TrainConfig, folder: Path) -> Any:
+    """TRL's GRPOConfig (with the objective) of the RL stage: every `rl` field GRPOConfig also has, by name, plus
+    `rl.trl_kwargs`. Its checks (and TRL's, e.g. batch / G divisibility) run here."""
     from trustclip.trainers import TrustClipGRPOConfig
 
-    r = config.rl
-    extra = dict(r.trl_kwargs)
-    if r.steps_per_generation is not None:
-        extra["steps_per_generation"] = r.steps_per_generation
-    return TrustClipGRPOConfig(
-        **_common_args(config, folder, r), objective=r.objective, objective_kwargs=dict(r.objective_kwargs),
-        aggregation=r.aggregation, advantage_estimator=r.advantage_estimator, max_grad_norm=r.max_grad_norm,
-        num_generations=r.num_generations, num_iterations=r.num_iterations, temperature=r.temperature,
-        top_p=r.top_p, top_k=r.top_k, max_completion_length=r.max_completion_length, beta=r.beta,
-        mask_truncated_completions=r.mask_truncated_completions, truncated_reward=r.truncated_reward,
-        skip_zero_advantage=r.skip_zero_advantage,
-        save_steps=r.save_steps, save_total_limit=r.save_total_limit, logging_steps=r.logging_steps, **extra,
-    )
+    return TrustClipGRPOConfig(**_trainer_args(config, folder, config.rl, TrustClipGRPOConfig), **config.rl.trl_kwargs)
 
 
-def rl_dataset(config: TrainConfig, tokenizer: Any) -> Any:
+def rl_rows(config: TrainConfig) -> list[dict[str, Any]]:
+    """The RL prompt pool: `data.train`, each prompt once (hub DAPO-Math-17k repeats each 100 times), first
+    `data.train_limit`."""
+    d = config.data
+    rows = load_rows(d.train, config, split=d.train_split, subset=d.train_subset)
+    return list({r["id"]: r for r in rows}.values())[: d.train_limit]
+
+
+def rl_dataset(config: TrainConfig, tokenizer: Any, rows: list[dict[str, Any]] | None = None) -> Any:
     from datasets import Dataset
 
     from trustclip.data import build_prompt_rows
 
     d = config.data
-    rows = load_rows(d.train, config, split=d.train_split, subset=d.train_subset)
-    unique = list({r["id"]: r for r in rows}.values())  # hub DAPO-Math-17k repeats each prompt 100 times
-    rows = build_prompt_rows(unique[: d.train_limit], tokenizer, d.prompt_style, system_prompt=d.system_prompt)
+    rows = build_prompt_rows(rows if rows is not None else rl_rows(config), tokenizer, d.prompt_style,
+                             system_prompt=d.system_prompt)
     return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
 
 
@@ -168,19 +219,20 @@ def reward_function(config: TrainConfig) -> Any:
 
 
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-           periodic_eval: Callable[[Any, int], dict[str, float]] | None = None) -> Any:
+           periodic_eval: Callable[[Any, int], dict[str, float]] | None = None,
+           rows: list[dict[str, Any]] | None = None) -> Any:
     """RLVR with the configured objective; returns the trainer (its model is the trained policy)."""
     from trustclip.trainers import TrustClipGRPOTrainer
 
     folder = out / "rl"
     trainer = TrustClipGRPOTrainer(
         model, reward_funcs=reward_function(config), args=grpo_config(config, folder),
-        train_dataset=rl_dataset(config, tokenizer), processing_class=tokenizer, peft_config=lora_config(config),
+        train_dataset=rl_dataset(config, tokenizer, rows), processing_class=tokenizer, peft_config=lora_config(config),
     )
     _quiet_trainer(trainer, "rl", config, config.rl.max_steps, out, printer)
     if periodic_eval is not None and config.rl.eval_every:
         trainer.add_callback(PeriodicEvalCallback(trainer, config.rl.eval_every, periodic_eval))
-    checkpoint = _last_checkpoint(folder) if config.resume else None
+    checkpoint = last_checkpoint(folder, printer) if config.resume else None
     if checkpoint:
         printer(f"[rl] resuming from {checkpoint}")
     trainer.train(resume_from_checkpoint=checkpoint)
@@ -189,13 +241,12 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
 
 # ------------------------------------------------------------------ evaluation
 def eval_config(config: TrainConfig) -> Any:
+    """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
     from trustclip.evaluation import EvalConfig
 
-    e = config.eval
-    return EvalConfig(k=e.k, n_samples=e.n_samples, temperature=e.temperature, top_p=e.top_p,
-                      max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=e.seed,
-                      prompt_style=config.data.prompt_style, backend=e.backend, show_progress=not config.quiet,
-                      answer_fallback=config.data.answer_fallback)
+    return EvalConfig(**dataclasses.asdict(config.eval), prompt_style=config.data.prompt_style,
+                      answer_fallback=config.data.answer_fallback, reward_timeout=config.rl.reward_timeout,
+                      show_progress=not config.quiet)
 
 
 def run_eval(model: Any, tokenizer: Any, benchmarks: dict, config: TrainConfig, step: int | None = None) -> Any:

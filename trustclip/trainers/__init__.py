@@ -1,5 +1,5 @@
 """Trainer integrations. `TrustClipGRPOTrainer` / `TrustClipGRPOConfig` (TRL) load lazily so that
-`trustclip.trainers.metric_names` can be imported without TRL (e.g. from the verl plugin)."""
+`trustclip.trainers` can be imported without TRL."""
 
 from __future__ import annotations
 

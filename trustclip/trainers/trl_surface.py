@@ -1,0 +1,114 @@
+"""Every name of TRL's GRPOTrainer (1.16) that `TrustClipGRPOTrainer` relies on beyond TRL's documented API.
+
+TRL documents `GRPOConfig`, the `GRPOTrainer` constructor, `train()` and the public `compute_loss`; the subclass
+also overrides private methods and reads or writes trainer state that TRL may rename or remove in any release.
+They are all listed here, with what each is for. `missing_names()` says which are gone; the trainer runs it at
+start-up (`check_trl_surface`), and tests/test_trl_surface.py checks both directions: every name listed exists in
+the installed TRL, and every TRL name trl_trainer.py touches is listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+# Private methods the subclass overrides -> the parameters its override (or its calls of them) relies on.
+OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
+    "_generate_and_score_completions": ("inputs",),  # drop zero-advantage rows; defer the old log-probs; rloo
+    "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),  # truncated_reward
+    "_prepare_inputs": ("generation_batch",),  # count the tokens of each slice of a new generation batch
+    "_compute_loss": ("model", "inputs"),  # the trustclip objective replaces TRL's loss
+    "_get_per_token_logps_and_entropies": (  # fused log-probs / entropies; a NaN placeholder when deferred
+        "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    ),
+    # transformers.Trainer's, also overridden by GRPOTrainer: the DeltaController's state rides with the optimizer's
+    "_save_optimizer_and_scheduler": ("output_dir",),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+}
+# TRL methods the subclass calls -> their parameters it passes.
+CALLED_METHODS: dict[str, tuple[str, ...]] = {
+    "get_high_entropy_mask": ("entropies", "mask", "threshold"),  # top_entropy_quantile
+    "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
+                            "off_policy_threshold"),  # off_policy_mask_threshold
+}
+# Trainer state set by GRPOTrainer.__init__ that the subclass reads (and, where noted, writes).
+ATTRIBUTES: dict[str, str] = {
+    "_metrics": "per-mode metric buffers the subclass appends its metrics to (TRL logs and clears them)",
+    "_buffered_inputs": "the generation batch split into slices (the subclass counts their tokens)",
+    "_step": "micro-step counter: which slice of the buffered batch a micro-batch is",
+    "_tokenizer": "the tokenizer of the processing class (pad id of a truncated completion)",
+    "eos_token_ids": "ids that end a completion (a completion without one was truncated)",
+    "reward_funcs": "the reward functions (their verifier counters are logged)",
+    "num_generations": "group size G (rloo rescaling)",
+    "num_iterations": "updates per generation batch (the DeltaController's window)",
+    "max_completion_length": "L_max of the dr_grpo aggregation",
+    "temperature": "sampling temperature (truly_ppo's full-vocabulary log-probs)",
+    "beta": "KL-to-reference coefficient",
+    "use_vllm": "vLLM generation (its importance-sampling correction)",
+    "vllm_importance_sampling_correction": "whether the per-token vLLM IS weights apply",
+    "top_entropy_quantile": "high-entropy token mask",
+    "off_policy_mask_threshold": "off-policy sequence mask",
+    "aux_loss_enabled": "MoE router auxiliary loss",
+    "router_aux_loss_coef": "its coefficient",
+    "_entropy_bonus_enabled": "entropy bonus on (static coefficient or adaptive)",
+    "use_adaptive_entropy": "adaptive entropy coefficient",
+    "entropy_coef": "entropy coefficient (written by the adaptive controller)",
+    "_last_world_entropy": "the controller's last window entropy (read and written)",
+    "_entropy_window_stats": "the controller's running window sums (read and written)",
+}
+# Set by transformers.Trainer during train(), not at construction: checked in its source.
+TRAINING_ATTRIBUTES: dict[str, str] = {
+    "current_gradient_accumulation_steps": "micro-batches in this optimizer step (normalisers)",
+}
+# GRPOConfig fields the subclass reads besides the ones it passes through.
+CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps", "use_bias_correction_kl",
+                 "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
+                 "gradient_checkpointing_kwargs", "importance_sampling_level", "scale_rewards")
+CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass reads
+# Module-level helpers imported from TRL's internals: module -> names.
+FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",)}
+
+
+def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:
+    """Every listed name the installed TRL lacks, as `what: name (why)`; [] when all are there. `trainer` (an
+    instance, optional) lets the instance attributes be checked too."""
+    import importlib
+
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer_cls = trainer_cls or GRPOTrainer
+    missing = []
+    for group, methods in (("overridden method", OVERRIDDEN_METHODS), ("method", CALLED_METHODS)):
+        for name, params in methods.items():
+            if not callable(getattr(trainer_cls, name, None)):
+                missing.append(f"{group} GRPOTrainer.{name}")
+                continue
+            have = inspect.signature(getattr(trainer_cls, name)).parameters
+            missing += [f"parameter {p!r} of GRPOTrainer.{name}" for p in params if p not in have]
+    if trainer is not None:
+        missing += [f"attribute GRPOTrainer.{name} ({why})" for name, why in ATTRIBUTES.items()
+                    if not hasattr(trainer, name)]
+    trainer_source = inspect.getsource(transformers.Trainer)
+    missing += [f"attribute Trainer.{name} ({why})" for name, why in TRAINING_ATTRIBUTES.items()
+                if f"self.{name} =" not in trainer_source]
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    missing += [f"GRPOConfig field {name}" for name in CONFIG_FIELDS if name not in fields]
+    missing += [f"GRPOConfig property {name}" for name in CONFIG_PROPERTIES if not hasattr(GRPOConfig, name)]
+    for module, names in FUNCTIONS.items():
+        loaded = importlib.import_module(module)
+        missing += [f"function {module}.{name}" for name in names if not hasattr(loaded, name)]
+    return missing
+
+
+def check_trl_surface(trainer: Any) -> None:
+    """Raise RuntimeError naming every TRL name the subclass relies on that the installed TRL lacks."""
+    missing = missing_names(trainer=trainer)
+    if missing:
+        import trl
+
+        raise RuntimeError(f"TRL {trl.__version__} lacks what TrustClipGRPOTrainer relies on: {'; '.join(missing)}. "
+                           "trustclip supports trl==1.16.* (see trustclip/trainers/trl_surface.py)")
