@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -179,7 +177,7 @@ def test_batch_settings_it_cannot_control_are_refused(tmp_path):
 def test_sigkill_then_resume_continues_delta(tiny_model_path, tmp_path):
     """`trustclip train --resume` after a SIGKILL: the first resumed step uses the delta saved in the checkpoint it
     resumes from, and the run ends where an uninterrupted one ends. Two CLI processes (~15 s on an idle machine)."""
-    from test_train_cli import cli_env, tiny_overrides
+    from test_train_cli import cli_env, kill_at_checkpoint, tiny_overrides
 
     out = tmp_path / "run"
     # lr 1e-4 moves the tiny policy far less than a mean KL3 of 0.3 / 1.5, so delta doubles every generation batch
@@ -188,15 +186,7 @@ def test_sigkill_then_resume_continues_delta(tiny_model_path, tmp_path):
                                                    "rl.objective_kwargs": doubling})
     args = [sys.executable, "-m", "trustclip.cli", "train", "--stages", "rl", "--objective", "atr_adaptive",
             *[a for o in sets for a in ("--set", o)]]
-    proc = subprocess.Popen(args, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    marker = out / "rl" / "checkpoint-2" / "trainer_state.json"
-    deadline = time.time() + 240
-    while not marker.is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert marker.is_file(), f"no checkpoint appeared; output:\n{proc.communicate()[0][-3000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    kill_at_checkpoint(args, cli_env(tmp_path), out / "rl" / "checkpoint-2")
     complete = [c for c in (out / "rl").glob("checkpoint-*") if (c / "trainer_state.json").is_file()]
     checkpoint = max(complete, key=lambda c: int(c.name.split("-")[1]))
     saved = json.loads((checkpoint / "delta_controller.json").read_text())

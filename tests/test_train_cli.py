@@ -212,13 +212,10 @@ def test_bad_data_file_is_reported(tiny_model_path, tmp_path):
     assert f"{bad}:2: invalid JSON" in proc.stderr
 
 
-def test_sigkill_then_resume_completes(tiny_model_path, tmp_path):
-    out = tmp_path / "run"
-    sets = tiny_overrides(tiny_model_path, out, **{"rl.max_steps": 8, "rl.save_steps": 2, "rl.save_total_limit": 2})
-    args = [sys.executable, "-m", "trustclip.cli", "train", "--skip", "sft", *[a for o in sets for a in ("--set", o)]]
-    env = cli_env(tmp_path)
+def kill_at_checkpoint(args: list[str], env: dict[str, str], checkpoint: Path) -> None:
+    """Start `trustclip` with `args` and SIGKILL it as soon as `checkpoint` is complete."""
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    marker = out / "rl" / "checkpoint-2" / "trainer_state.json"
+    marker = checkpoint / "trainer_state.json"
     deadline = time.time() + 240
     while not marker.is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -226,6 +223,14 @@ def test_sigkill_then_resume_completes(tiny_model_path, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_sigkill_then_resume_completes(tiny_model_path, tmp_path):
+    out = tmp_path / "run"
+    sets = tiny_overrides(tiny_model_path, out, **{"rl.max_steps": 8, "rl.save_steps": 2, "rl.save_total_limit": 2})
+    args = [sys.executable, "-m", "trustclip.cli", "train", "--skip", "sft", *[a for o in sets for a in ("--set", o)]]
+    env = cli_env(tmp_path)
+    kill_at_checkpoint(args, env, out / "rl" / "checkpoint-2")
     state = json.loads((out / "state.json").read_text())
     assert "rl" not in state and "eval_before" in state  # killed during RL
 

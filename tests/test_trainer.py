@@ -169,6 +169,17 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
 
 
+def assert_same_loss_and_grads(ours, theirs, inputs):
+    """Our trainer's loss and parameter gradients equal TRL's on the same inputs; returns our loss."""
+    loss_ours, grads_ours = _loss_and_grads(ours, inputs)
+    loss_trl, grads_trl = _loss_and_grads(theirs, inputs)
+    torch.testing.assert_close(loss_ours, loss_trl, rtol=1e-5, atol=1e-7)
+    assert len(grads_ours) == len(grads_trl) > 0
+    for a, b in zip(grads_ours, grads_trl, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    return loss_ours
+
+
 def _trl_trainer(tiny, tmp_path, **config):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -207,12 +218,7 @@ def test_matches_trl_builtin_loss(tiny, tmp_path, case):
                         aggregation=aggregation, max_completion_length=6)
     theirs = _trl_trainer(tiny, tmp_path, **trl_config)
     inputs = _with_old_logps(theirs, _batch(tiny[1]))
-    loss_ours, grads_ours = _loss_and_grads(ours, inputs)
-    loss_trl, grads_trl = _loss_and_grads(theirs, inputs)
-    torch.testing.assert_close(loss_ours, loss_trl, rtol=1e-5, atol=1e-7)
-    assert len(grads_ours) == len(grads_trl) > 0
-    for a, b in zip(grads_ours, grads_trl, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert_same_loss_and_grads(ours, theirs, inputs)
     if case in ("dapo", "dr_grpo", "grpo", "kl3=asymmetric dapo"):  # same clip statistics, same names
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert ours._metrics["train"][key] == pytest.approx(theirs._metrics["train"][key])

@@ -14,7 +14,14 @@ import torch
 
 pytest.importorskip("trl")
 
-from test_trainer import _batch, _loss_and_grads, _trl_trainer, _with_old_logps, make_trainer  # noqa: E402
+from test_trainer import (  # noqa: E402
+    _batch,
+    _loss_and_grads,
+    _trl_trainer,
+    _with_old_logps,
+    assert_same_loss_and_grads,
+    make_trainer,
+)
 
 from trustclip.trainers import trl_surface  # noqa: E402
 
@@ -101,14 +108,6 @@ def test_every_trl_name_the_trainer_touches_is_listed():
 CLIP_DR_GRPO = dict(objective="clip", objective_kwargs={"epsilon": 0.2}, aggregation="dr_grpo", max_completion_length=6)
 
 
-def _compare(ours, theirs, inputs):
-    loss_ours, grads_ours = _loss_and_grads(ours, inputs)
-    loss_trl, grads_trl = _loss_and_grads(theirs, inputs)
-    torch.testing.assert_close(loss_ours, loss_trl, rtol=1e-5, atol=1e-7)
-    assert len(grads_ours) == len(grads_trl) > 0
-    for a, b in zip(grads_ours, grads_trl, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
-    return loss_ours
 
 
 def _plain_loss(tiny, tmp_path, inputs):
@@ -126,7 +125,7 @@ def test_option_matches_trl_loss(tiny, tmp_path, option):
     ours = make_trainer(tiny, tmp_path / "ours", **CLIP_DR_GRPO, **option)
     theirs = _trl_trainer(tiny, tmp_path, loss_type="dr_grpo", epsilon=0.2, **option)
     inputs = _with_old_logps(theirs, _batch(tiny[1]))
-    loss = _compare(ours, theirs, inputs)
+    loss = assert_same_loss_and_grads(ours, theirs, inputs)
     assert not torch.allclose(loss, _plain_loss(tiny, tmp_path, inputs))  # the option acts on this batch
 
 
@@ -139,7 +138,7 @@ def test_adaptive_entropy_matches_trl_over_steps(tiny, tmp_path):
     inputs = _with_old_logps(theirs, _batch(tiny[1]))
     losses = []
     for _ in range(3):
-        losses.append(_compare(ours, theirs, inputs))
+        losses.append(assert_same_loss_and_grads(ours, theirs, inputs))
         assert ours.entropy_coef == pytest.approx(theirs.entropy_coef)
         assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy)
     assert ours.entropy_coef == pytest.approx(0.05 + 3 * 0.02)  # the controller stepped each time
@@ -155,6 +154,6 @@ def test_reference_kl_matches_trl(tiny, tmp_path, bias_correction):
     g = torch.Generator().manual_seed(2)
     inputs["ref_per_token_logps"] = (inputs["old_per_token_logps"] + 0.2 * torch.randn(
         inputs["old_per_token_logps"].shape, generator=g)).clamp(max=0.0)
-    loss = _compare(ours, theirs, inputs)
+    loss = assert_same_loss_and_grads(ours, theirs, inputs)
     other = make_trainer(tiny, tmp_path / "other", **CLIP_DR_GRPO, beta=0.1, use_bias_correction_kl=not bias_correction)
     assert not torch.allclose(loss, _loss_and_grads(other, inputs)[0])  # the correction changes the loss here

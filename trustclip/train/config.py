@@ -493,18 +493,9 @@ def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
 def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
     """Dotted names of the options whose value in `config` differs from the saved run's (RUN_CONTROL aside)."""
     now, before = config.to_dict(), from_dict(TrainConfig, saved).to_dict()
-    return [key for key in _all_keys(now) if key.split(".")[0] not in RUN_CONTROL
+    return [key for key in _leaf_keys(now) if key.split(".")[0] not in RUN_CONTROL
             and get_dotted(now, key) != get_dotted(before, key)]
 
-
-def _all_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
-    keys = []
-    for key, value in data.items():
-        if isinstance(value, dict) and dataclasses.is_dataclass(_field_hint(prefix + key)):
-            keys += _all_keys(value, f"{prefix}{key}.")
-        else:
-            keys.append(prefix + key)
-    return keys
 
 
 def option_table() -> list[tuple[str, str, str]]:
