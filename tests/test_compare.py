@@ -142,6 +142,22 @@ def test_sweep_applies_to_objectives_that_have_the_parameter(tmp_path):
     assert [r.config["rl"]["learning_rate"] for r in lr] == [1e-4, 2e-4]
 
 
+def test_a_swept_value_that_changes_nothing_reuses_the_unswept_run(tmp_path):
+    """Sweeping atr's delta over its default (0.07), or a training option over the recipe's own value, gives the
+    very run the unswept group makes: same directory, same fingerprint, so a shared pool trains it once."""
+    plain = {r.run_id: r for r in plan_runs(["atr", "clip"], [0], tmp_path)}
+    swept = plan_runs(["atr", "clip"], [0], tmp_path, sweep=parse_sweep("delta=0.05,0.07"))
+    at_default = next(r for r in swept if r.group == "atr_delta=0.07")
+    assert at_default.sweep_value == 0.07 and at_default.hparams == {"delta": 0.07}
+    assert at_default.run_dir == plain["atr/seed0"].run_dir
+    assert at_default.fingerprint() == plain["atr/seed0"].fingerprint()
+    moved = next(r for r in swept if r.group == "atr_delta=0.05")
+    assert moved.run_dir.parent.name == "atr_delta=0.05" and moved.fingerprint() != at_default.fingerprint()
+    lr = plan_runs(["clip"], [0], tmp_path, overrides=["rl.learning_rate=2e-4"],
+                   sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
+    assert [r.run_dir.parent.name for r in lr] == ["clip_rl.learning_rate=0.0001", "clip"]
+
+
 L3, U3 = 0.6709670432, 1.4222251178  # the Lambert-W bounds of KL3 at delta 0.07 (trustclip bounds)
 TABLE3 = ("clip, clip[epsilon=0.329], clip[epsilon=0.422], clip_higher, "
           f"clip_higher[epsilon_low={1 - L3!r}, epsilon_high={U3 - 1!r}], atr")

@@ -33,7 +33,7 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ class RunSpec:
     root: Path = field(default=Path("."), repr=False)
     kind: str = "rl"  # "rl": a compared run; "sft": a shared SFT run other runs start from
     depends_on: RunSpec | None = field(default=None, repr=False)
+    # directory name when a swept value is the run's own setting: the run *is* the unswept group's run, kept once
+    stored_as: str | None = None
 
     @property
     def group(self) -> str:
@@ -85,7 +87,7 @@ class RunSpec:
 
     @property
     def run_dir(self) -> Path:
-        return self.root / RUNS_DIR / safe_name(self.group) / f"seed{self.seed}"
+        return self.root / RUNS_DIR / safe_name(self.stored_as or self.group) / f"seed{self.seed}"
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's numbers (its SFT run's fingerprint included)."""
@@ -351,6 +353,19 @@ def _check_sweep(sweep: Sweep | None, entries: Sequence[Entry]) -> None:
 
 def _make_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
               value: Any, root: Path) -> RunSpec:
+    """The run of `entry` at `seed` (and swept `value`). A swept value that changes nothing (the objective's
+    default, the recipe's own option) gives the unswept run, stored where that run is, so a pool makes it once."""
+    run = _build_run(entry, seed, base, kwargs, sweep, value, root)
+    if sweep is None:
+        return run
+    plain = _build_run(entry, seed, base, kwargs, None, None, root)
+    if _settings(plain) != _settings(run):
+        return run
+    return replace(plain, sweep_key=sweep.key, sweep_value=value, stored_as=plain.group)
+
+
+def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
+               value: Any, root: Path) -> RunSpec:
     import copy
 
     from trustclip.objectives import get_objective
@@ -377,15 +392,18 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, A
                    sweep.key if sweep is not None else None, value, root)
 
 
+def _settings(spec: RunSpec) -> str:
+    """What determines a run's numbers, with the objective's defaults filled in (so clip == clip[epsilon=0.2])."""
+    science = {**spec.config, "rl": {**spec.config["rl"], "objective_kwargs": spec.hparams}}
+    return json.dumps({k: v for k, v in science.items() if k not in NON_SCIENTIFIC}, sort_keys=True, default=str)
+
+
 def _check_distinct(runs: Sequence[RunSpec]) -> None:
     """Two groups that would train the same runs (same settings once the objective's defaults are filled in),
     or write to the same directory, are an error."""
     seen: dict[str, RunSpec] = {}
     for spec in runs:
-        science = {**spec.config, "rl": {**spec.config["rl"], "objective_kwargs": spec.hparams}}
-        settings = json.dumps({k: v for k, v in science.items() if k not in NON_SCIENTIFIC}, sort_keys=True,
-                              default=str)
-        for key in (f"settings {settings}", f"directory {spec.run_dir}"):
+        for key in (f"settings {_settings(spec)}", f"directory {spec.run_dir}"):
             other = seen.setdefault(key, spec)
             if other is not spec:
                 what = key.split()[0]

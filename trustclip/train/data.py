@@ -8,9 +8,8 @@ import dataclasses
 from functools import lru_cache
 from typing import Any
 
+from trustclip.data.loaders import BUILTIN_PREFIX
 from trustclip.train.config import TrainConfig
-
-BUILTIN = "builtin"
 
 
 def load_rows(source: str, config: TrainConfig, *, split: str, subset: str | None = None, limit: int | None = None,
@@ -18,7 +17,7 @@ def load_rows(source: str, config: TrainConfig, *, split: str, subset: str | Non
     """Rows `{"id", "problem", "answer", ...}` of a file, hub dataset, or `builtin:<split>`."""
     from trustclip.data import load_prompts
 
-    if source.startswith(BUILTIN + ":"):
+    if source.startswith(BUILTIN_PREFIX):
         name = source.split(":", 1)[1]
         splits = synthetic_splits(config)
         if name not in splits:
@@ -48,22 +47,15 @@ def _synthetic(seed: int, n_train: int, n_eval: int, levels: tuple[int, ...], ma
 
 
 def load_benchmarks(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
-    """`data.eval` specs -> {name: rows}: `builtin` (every held-out synthetic split), NAME=SOURCE or SOURCE."""
-    from trustclip.data import load_benchmark_specs
+    """`data.eval` specs -> {name: rows} (`trustclip.data.loaders.parse_benchmark_spec`). Built-in splits come
+    from this run's synthetic task (its levels, operand range and seed); `data.eval_limit` applies last."""
+    from trustclip.data.loaders import parse_benchmark_spec, select_rows
 
     d = config.data
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in d.eval:
-        if spec == BUILTIN:
-            pairs = {name: rows for name, rows in synthetic_splits(config).items() if name != "train"}
-        elif spec.partition("=")[2].startswith(BUILTIN + ":") or spec.startswith(BUILTIN + ":"):
-            name, _, source = spec.rpartition("=") if "=" in spec else (spec.split(":", 1)[1], "", spec)
-            pairs = {name: load_rows(source, config, split=d.eval_split)}
-        else:
-            pairs = load_benchmark_specs([spec], split=d.eval_split, problem_key=d.problem_key,
-                                         answer_key=d.answer_key, seed=d.seed)
-        for name, rows in pairs.items():
-            if name in out:
-                raise ValueError(f"data.eval: benchmark name {name!r} given twice")
-            out[name] = rows[: d.eval_limit]
+        for bench in parse_benchmark_spec(spec):
+            if bench.name in out:
+                raise ValueError(f"data.eval: benchmark name {bench.name!r} given twice")
+            out[bench.name] = select_rows(load_rows(bench.source, config, split=d.eval_split), bench)[: d.eval_limit]
     return out
