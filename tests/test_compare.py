@@ -434,6 +434,20 @@ def test_report_cells_match_the_runs_numbers(fake_env):
     assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
 
 
+def test_sweep_report_states_the_trend(fake_env, monkeypatch):
+    """A sweep of 3 deltas: the report gives the per-seed slope of Mean@2 on log10 delta with its interval."""
+    deltas = (0.02, 0.2, 2.0)
+    settings = fake_settings(fake_env, objectives=("atr",), seeds=FIVE, sweep="delta=" + ",".join(map(str, deltas)))
+    finish_in_process(settings, monkeypatch)
+    settings.report_only = True
+    assert run_compare(settings, say=lambda s: None) == 0
+    text = (fake_env / "report.md").read_text()
+    slope = np.polyfit(np.log10(deltas), [average("kl3", 0, delta=d) for d in deltas], 1)[0]
+    assert slope > 0  # the stand-in adds 2 * delta, the same on every seed
+    line = next(x for x in text.splitlines() if x.startswith("- Trend of atr over delta"))
+    assert "on log10 delta" in line and f"+{100 * slope:.1f} points per tenfold delta" in line
+    assert line.endswith(": increasing.") and f"n = {len(FIVE)}" in line
+
 def test_paired_comparisons_intervals_and_aggregates(fake_env, monkeypatch):
     """Five seeds of clip, atr and a clip variant: the paired table, the IQM / probability-of-improvement
     table, results.json and results.csv carry the intervals computed from the runs' own numbers."""

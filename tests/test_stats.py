@@ -17,6 +17,7 @@ from trustclip.compare.stats import (
     paired_difference,
     probability_of_improvement,
     seeds_needed,
+    sweep_trend,
 )
 
 EXPERIMENTS, SEEDS, EFFECT = 200, 5, 0.04  # 200 synthetic comparisons of 5 paired seeds, true effect +4 points
@@ -63,6 +64,41 @@ def test_zero_effect_is_not_called(noise):
     assert called <= 0.10
     assert covered == 1 - called
 
+
+SWEEP = (0.01, 0.02, 0.05, 0.07, 0.1, 0.2, 0.5)  # Figure 3's deltas
+
+
+def synthetic_sweep(rng: np.random.Generator, slope: float) -> dict[float, dict[int, float]]:
+    """Seed results along a sweep: each seed has its own start, the outcome moves by `slope` per tenfold value,
+    plus noise per (seed, value) of sd 0.02."""
+    start = 0.30 + 0.05 * rng.standard_normal(SEEDS)
+    return {v: {s: start[s] + slope * math.log10(v) + 0.02 * rng.standard_normal() for s in range(SEEDS)}
+            for v in SWEEP}
+
+
+@pytest.mark.parametrize("slope", [-0.03, 0.0])
+def test_sweep_trend_covers_a_known_slope_and_does_not_call_a_flat_one(slope):
+    rng = np.random.default_rng(2)
+    covered = called = 0
+    for _ in range(EXPERIMENTS):
+        d, log = sweep_trend(synthetic_sweep(rng, slope), group="atr", outcome="mean@K")
+        assert log and d.n == SEEDS and d.reference == "no trend"
+        covered += d.low <= slope <= d.high
+        called += d.verdict in ("higher", "lower")
+    print(f"\nslope {slope}: covered in {covered / EXPERIMENTS:.1%}, called in {called / EXPERIMENTS:.1%}")
+    assert covered / EXPERIMENTS >= 0.90
+    assert called / EXPERIMENTS >= 0.6 if slope else called / EXPERIMENTS <= 0.10
+
+
+def test_sweep_trend_by_hand():
+    """Exact slopes per seed; only seeds with every value count; a linear scale for a narrow or signed sweep."""
+    by_value = {0.01: {0: 0.5, 1: 0.4, 2: 0.9}, 0.1: {0: 0.4, 1: 0.2}, 1.0: {0: 0.3, 1: 0.0}}
+    d, log = sweep_trend(by_value, group="atr", outcome="mean@K")
+    assert log and d.seeds == (0, 1) and d.differences == pytest.approx((-0.1, -0.2))
+    d, log = sweep_trend({-1: {0: 1.0, 1: 2.0}, 0: {0: 2.0, 1: 2.0}, 1: {0: 3.0, 1: 2.0}}, group="x", outcome="o")
+    assert not log and d.differences == pytest.approx((1.0, 0.0))
+    with pytest.raises(ValueError, match="at least 3 swept values"):
+        sweep_trend({0.1: {0: 1.0}, 0.2: {0: 1.0}}, group="x", outcome="o")
 
 def test_percentile_bootstrap_under_covers_at_five_seeds():
     """Why the interval is studentised: scipy's percentile interval of the same differences is too narrow

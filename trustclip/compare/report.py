@@ -49,6 +49,7 @@ from trustclip.compare.stats import (
     needed_text,
     paired_difference,
     stat,
+    sweep_trend,
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
@@ -209,7 +210,7 @@ def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequ
         out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
     out.append(rank_sentence(f"{_title(avg)} {_metric_title(metrics[0])} of the final policy", groups))
     out += [gain_sentence(g, avg, metrics[0], k) for g in groups]
-    out += _sweep_findings(groups, avg, metrics[0])
+    out += _sweep_findings(groups, avg, metrics[0], k)
     intervals = sum(d.n >= 2 for d in diffs)
     if intervals:
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
@@ -228,13 +229,36 @@ def findings(groups: Sequence[GroupResult], splits: Sequence[str], metrics: Sequ
     return out
 
 
-def _sweep_findings(groups: Sequence[GroupResult], avg: str, metric: str) -> list[str]:
+def _sweep_findings(groups: Sequence[GroupResult], avg: str, metric: str, k: int) -> list[str]:
     swept: dict[str, list[GroupResult]] = {}
     for g in groups:
         if g.sweep_key is not None:
             swept.setdefault(g.label, []).append(g)
-    return [rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {_title(avg)} {_metric_title(metric)}",
-                          members) for label, members in swept.items() if len(members) >= 2]
+    out = []
+    for label, members in swept.items():
+        if len(members) >= 2:
+            out.append(rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {_title(avg)} "
+                                     f"{_metric_title(metric)}", members))
+        if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
+            out.append(trend_sentence(label, members, k))
+    return out
+
+
+def trend_sentence(label: str, members: Sequence[GroupResult], k: int, outcome: Outcome = PRIMARY) -> str:
+    """The sweep's trend (`stats.sweep_trend`): the per-seed slope of the primary outcome and its interval."""
+    key = members[0].sweep_key
+    d, log = sweep_trend({g.sweep_value: g.outcomes[outcome.key] for g in members}, group=label,
+                         outcome=outcome.key)
+    per = f"per tenfold {key}" if log else f"per unit of {key}"
+    text = (f"Trend of {label} over {key} (least-squares slope of {outcome_label(outcome, k)} on "
+            f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
+    if d.n < 2:
+        return text + f"{d.n} complete seed(s), no interval."
+    slopes = ", ".join(fmt_signed(v, outcome.scale, outcome.digits) for v in d.differences)
+    text += (f"{fmt_signed(d.mean, outcome.scale, outcome.digits)}{outcome.unit} {per} "
+             f"[{LEVEL:.0%} CI {fmt_interval(d, outcome.scale, outcome.digits)[1:-1]}], n = {d.n} (per seed: {slopes})")
+    verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
+    return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
 
 
 def paired_table(diffs: Sequence[Difference], k: int) -> str:

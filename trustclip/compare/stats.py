@@ -206,6 +206,26 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
     return Difference(group, ref, outcome, seeds, differences, low, high)
 
 
+def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group: str,
+                outcome: str) -> tuple[Difference, bool]:
+    """Trend of an outcome over a swept setting, one test for the whole sweep (where comparing every pair of
+    values makes k(k-1)/2 intervals): per seed, the least-squares slope of the outcome on log10(value) (on the
+    value itself when a value is <= 0 or the values span less than a factor 10), then the bootstrap-t interval
+    of the mean slope over the seeds that have every value. Returns the slopes as a `Difference` against
+    'no trend' (verdict 'higher' = increasing, 'lower' = decreasing) and whether the scale is log10."""
+    values = sorted(float(v) for v in outcome_by_value)
+    if len(values) < 3:
+        raise ValueError(f"a sweep trend needs at least 3 swept values, got {len(values)}")
+    log = values[0] > 0 and values[-1] / values[0] >= 10
+    x = np.log10(values) if log else np.asarray(values)
+    seeds = tuple(sorted(set.intersection(*(
+        {s for s, y in outcome_by_value[v].items() if y is not None and math.isfinite(y)} for v in values))))
+    slopes = tuple(round(float(np.polyfit(x, [outcome_by_value[v][s] for v in values], 1)[0]), 12) + 0.0
+                   for s in seeds)
+    low, high = bootstrap_t_interval(slopes) if len(seeds) >= 2 else (math.nan, math.nan)
+    return Difference(group, "no trend", outcome, seeds, slopes, low, high), log
+
+
 # -------------------------------------------------------------------------------------------- formatting
 def fmt_pct(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
