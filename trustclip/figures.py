@@ -13,6 +13,7 @@ should use the small shared style helpers (`figure_context`, `new_figure`, `styl
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -432,18 +433,18 @@ def plot_seed_bands(path: str | Path, panels: Sequence[dict[str, Any]], *, title
             draw_seed_bands(ax, panel["lines"], colors, title=panel.get("title", ""),
                             xlabel=panel.get("xlabel", ""), ylabel=panel.get("ylabel", ""),
                             logx=panel.get("logx", False))
-            if len(panels) > 1 and ax.get_legend() is not None:
-                ax.get_legend().remove()  # one legend for the whole figure instead
+            if ax.get_legend() is not None:
+                ax.get_legend().remove()  # one legend beside the grid: inside a panel it covers the curves
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        if len(panels) > 1:
+        if len(groups) > 1:
             handles = {}
             for ax in axes.flat:
                 for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                     handles.setdefault(label, handle)
-            fig.legend(list(handles.values()), list(handles), loc="outside right upper")
-        if title:
-            fig.suptitle(title)
+            fig.legend(list(handles.values()), list(handles), loc="outside right center")
+        if title:  # wrapped to the grid's width: one narrow panel cannot hold a long title on one line
+            fig.suptitle(textwrap.fill(title, max(30, int(8 * width * ncols))))
         return save_figure(fig, path)
 
 
