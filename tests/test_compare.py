@@ -156,6 +156,12 @@ def test_a_swept_value_that_changes_nothing_reuses_the_unswept_run(tmp_path):
     lr = plan_runs(["clip"], [0], tmp_path, overrides=["rl.learning_rate=2e-4"],
                    sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
     assert [r.run_dir.parent.name for r in lr] == ["clip_rl.learning_rate=0.0001", "clip"]
+    # a variant at the objective's own value is the plain objective's run too; another value is its own
+    variants = plan_runs(["clip[epsilon=0.2]", "clip_higher[epsilon_low=0.3]"], [0], tmp_path, share_sft=False)
+    plain_clip = plan_runs(["clip"], [0], tmp_path, share_sft=False)[0]
+    assert variants[0].group == "clip[epsilon=0.2]" and variants[0].run_dir == plain_clip.run_dir
+    assert variants[0].fingerprint() == plain_clip.fingerprint()
+    assert variants[1].run_dir.parent.name == "clip_higher_epsilon_low=0.3"
 
 
 L3, U3 = 0.6709670432, 1.4222251178  # the Lambert-W bounds of KL3 at delta 0.07 (trustclip bounds)

@@ -108,8 +108,6 @@ def test_every_trl_name_the_trainer_touches_is_listed():
 CLIP_DR_GRPO = dict(objective="clip", objective_kwargs={"epsilon": 0.2}, aggregation="dr_grpo", max_completion_length=6)
 
 
-
-
 def _plain_loss(tiny, tmp_path, inputs):
     """Our loss without the option, to show that the option changes it on this batch."""
     return _loss_and_grads(make_trainer(tiny, tmp_path / "plain", **CLIP_DR_GRPO), inputs)[0]

@@ -437,7 +437,7 @@ def plot_seed_bands(path: str | Path, panels: Sequence[dict[str, Any]], *, title
                 ax.get_legend().remove()  # one legend beside the grid: inside a panel it covers the curves
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
-        if len(groups) > 1:
+        if groups:
             handles = {}
             for ax in axes.flat:
                 for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):

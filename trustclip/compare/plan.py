@@ -351,17 +351,20 @@ def _check_sweep(sweep: Sweep | None, entries: Sequence[Entry]) -> None:
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
 
 
-def _make_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
-              value: Any, root: Path) -> RunSpec:
-    """The run of `entry` at `seed` (and swept `value`). A swept value that changes nothing (the objective's
-    default, the recipe's own option) gives the unswept run, stored where that run is, so a pool makes it once."""
-    run = _build_run(entry, seed, base, kwargs, sweep, value, root)
-    if sweep is None:
-        return run
-    plain = _build_run(entry, seed, base, kwargs, None, None, root)
-    if _settings(plain) != _settings(run):
-        return run
-    return replace(plain, sweep_key=sweep.key, sweep_value=value, stored_as=plain.group)
+def _make_run(entry: Entry, seed: int, base: dict[str, Any], hparams: dict[str, dict[str, Any]],
+              sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
+    """The run of `entry` at `seed` (and swept `value`). A run whose settings are those of a simpler group (a
+    swept value or a variant's value that is the objective's own: `atr_delta=0.07`, `clip[epsilon=0.2]`) is
+    stored where that group's run is, with its fingerprint, so a pool makes it once whichever name asks for it."""
+    run = _build_run(entry, seed, base, _objective_kwargs(entry, base, hparams), sweep, value, root)
+    simpler = [Entry(entry.name, {}, entry.name)] if entry.kwargs else []  # the plain objective first
+    if sweep is not None:
+        simpler.append(entry)  # then the same item unswept
+    for other_entry in simpler:
+        other = _build_run(other_entry, seed, base, _objective_kwargs(other_entry, base, hparams), None, None, root)
+        if _settings(other) == _settings(run):
+            return replace(run, config=other.config, stored_as=other.group)
+    return run
 
 
 def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, Any], sweep: Sweep | None,
@@ -427,11 +430,10 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
     runs: list[RunSpec] = []
     for seed in seeds:
         for entry in entries:
-            kwargs = _objective_kwargs(entry, base, hparams or {})
             if sweep is not None and _sweep_applies(sweep, entry):
-                runs.extend(_make_run(entry, seed, base, kwargs, sweep, v, root) for v in sweep.values)
+                runs.extend(_make_run(entry, seed, base, hparams or {}, sweep, v, root) for v in sweep.values)
             else:
-                runs.append(_make_run(entry, seed, base, kwargs, None, None, root))
+                runs.append(_make_run(entry, seed, base, hparams or {}, None, None, root))
     _check_distinct(runs)
     if share_sft and "sft" in base["stages"]:
         runs = _share_sft(runs, root)

@@ -240,7 +240,7 @@ def _sweep_findings(groups: Sequence[GroupResult], avg: str, metric: str, k: int
             out.append(rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {_title(avg)} "
                                      f"{_metric_title(metric)}", members))
         if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
-            out.append(trend_sentence(label, members, k))
+            out += [trend_sentence(label, members, k, OUTCOME[key]) for key in (PRIMARY.key, "pass@K")]
     return out
 
 

@@ -497,7 +497,6 @@ def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
             and get_dotted(now, key) != get_dotted(before, key)]
 
 
-
 def option_table() -> list[tuple[str, str, str]]:
     """(dotted name, default, help) of every option, for `--help`."""
     rows = []
