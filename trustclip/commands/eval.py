@@ -42,6 +42,7 @@ SETTINGS = {
     "--limit": ("data.eval_limit", int),
     "--reward-timeout": ("rl.reward_timeout", float),
     "--answer-fallback": ("data.answer_fallback", bool),
+    "--bf16": ("bf16", bool),
 }
 
 

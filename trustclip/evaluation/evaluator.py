@@ -76,6 +76,7 @@ class EvalConfig(EvalArgs):
     and `rl.reward_timeout`, so a run is evaluated exactly as it was rewarded."""
 
     top_k: int | None = None  # None disables top-k (the paper's -1)
+    bf16: bool = False  # bfloat16 autocast during generation (the run's `bf16`, resolved: trustclip.precision)
     prompt_style: str = "auto"  # see trustclip.data.templates
     reward_timeout: float = DEFAULT_TIMEOUT
     answer_fallback: bool = False  # True: no \boxed{} -> the last `Answer:` line / last number (trustclip.rewards)
@@ -153,7 +154,8 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
     devices = [device.index or 0] if device.type == "cuda" else []
     model.eval()
     try:
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+        with (torch.random.fork_rng(devices=devices), torch.inference_mode(),
+              torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)):
             torch.manual_seed(config.seed)
             with _progress(len(jobs), desc, config.show_progress) as bar:
                 for start in range(0, len(jobs), config.batch_size):

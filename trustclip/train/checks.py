@@ -28,6 +28,7 @@ def check_run(config: TrainConfig) -> None:
     if not stages:
         raise ValueError("stages: no stage left to run")
     check_output_dir(config)
+    check_precision(config)
     check_model(config.model.name_or_path, "model.name_or_path", tiny=config.model.tiny)
     evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
     if "sft" in stages:
@@ -47,6 +48,13 @@ def check_run(config: TrainConfig) -> None:
         check_report_to(config.report_to)
     if config.model.lora:
         _need("peft", "model.lora=true")
+
+
+def check_precision(config: TrainConfig) -> None:
+    """`bf16=true` on a machine that cannot honour it (`trustclip.precision.bf16_problem`)."""
+    from trustclip.precision import resolve_bf16
+
+    resolve_bf16(config.bf16)
 
 
 def _stages() -> Any:

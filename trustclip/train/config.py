@@ -241,6 +241,10 @@ class TrainConfig:
     output_dir: StrictStr = _f("runs/default", "Where checkpoints, metrics.jsonl, plots and summary.json go.")
     stages: list[StrictStr] = _f(list(STAGES), "Stages to run, in order: sft, rl, eval.")
     seed: StrictInt = _f(0, "Training seed.")
+    bf16: StrictBool | None = _f(None, "Mixed precision (TrainingArguments' bf16) in SFT, RL and evaluation: bfloat16 "
+                                 "autocast over float32 weights, with the LM head, log-probs and ratio in float32. "
+                                 "null: on with a bfloat16 GPU, off on CPU; true on a CPU without bfloat16 "
+                                 "instructions is an error.")
     report_to: list[StrictStr] = _f(["tensorboard"], "Trainer logging integrations (tensorboard, wandb, none, ...).")
     resume: StrictBool = _f(False, "Continue the interrupted run in output_dir from its last checkpoint, with its "
                             "settings (config.yaml).")

@@ -43,11 +43,11 @@ class Run:
     def __init__(self, config: TrainConfig, printer: Callable[[str], None] | None = None) -> None:
         from accelerate import PartialState
 
-        from trustclip.train.stages import accelerator_kwargs
+        import torch
 
         self.config, self.out = config, Path(config.output_dir)
         # cpu=True on a CPU-only machine: the first PartialState fixes the backend (gloo) for the trainers too.
-        self.dist = PartialState(cpu=accelerator_kwargs()["use_cpu"])
+        self.dist = PartialState(cpu=not torch.cuda.is_available())
         self.main = self.dist.is_main_process
         self._printer = printer or _flush_print
         path = self.out / "state.json"

@@ -21,13 +21,13 @@ Printer = Callable[[str], None]
 
 
 # ------------------------------------------------------------------ models
-def accelerator_kwargs() -> dict[str, Any]:
-    """Trainer precision / device flags: bf16 on a bf16-capable GPU, plain fp32 on CPU."""
+def accelerator_kwargs(config: TrainConfig) -> dict[str, Any]:
+    """Trainer precision / device flags: the GPU if there is one, and the run's `bf16` (`trustclip.precision`)."""
     import torch
 
-    if torch.cuda.is_available():
-        return {"bf16": torch.cuda.is_bf16_supported(), "use_cpu": False}
-    return {"bf16": False, "use_cpu": True}
+    from trustclip.precision import resolve_bf16
+
+    return {"bf16": resolve_bf16(config.bf16), "use_cpu": not torch.cuda.is_available()}
 
 
 def model_dtype(config: TrainConfig) -> Any:
@@ -135,7 +135,7 @@ def _trainer_args(config: TrainConfig, folder: Path, section: Any, trl_config: t
         {k: v for k, v in dataclasses.asdict(section).items() if k in same_name},
         output_dir=str(folder), seed=config.seed, report_to=config.report_to or "none", disable_tqdm=True,
         save_strategy="steps", activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
-        **accelerator_kwargs(),
+        **accelerator_kwargs(config),
     )
 
 
@@ -243,9 +243,10 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
 def eval_config(config: TrainConfig) -> Any:
     """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
     from trustclip.evaluation import EvalConfig
+    from trustclip.precision import resolve_bf16
 
-    return EvalConfig(**dataclasses.asdict(config.eval), prompt_style=config.data.prompt_style,
-                      answer_fallback=config.data.answer_fallback, reward_timeout=config.rl.reward_timeout,
+    return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
+                      prompt_style=config.data.prompt_style, answer_fallback=config.data.answer_fallback, reward_timeout=config.rl.reward_timeout,
                       show_progress=not config.quiet)
 
 

@@ -69,7 +69,8 @@ CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulatio
                  "gradient_checkpointing_kwargs", "importance_sampling_level", "scale_rewards")
 CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass reads
 # Module-level helpers imported from TRL's internals: module -> names.
-FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",)}
+FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
+             "trl.trainer.utils": ("add_fused_lm_head",)}  # float32 log-probs under mixed precision
 
 
 def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import add_fused_lm_head
 
 from trustclip import metric_names as names
 from trustclip.files import write_json_atomic
@@ -259,6 +260,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._old_heads: dict[str, Any] = {}  # truly_ppo with hidden-state storage: pi_old's LM head per mode
         super().__init__(model, reward_funcs, args, **kwargs)
         check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
+        if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
+            self._float32_lm_head()
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
         self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
@@ -270,6 +273,15 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             bar = "!" * 100
             logger.warning("\n%s\ntrustclip WARNING: %s\n%s", bar, message, bar)
             warnings.warn(message, UserWarning, stacklevel=2)
+
+    def _float32_lm_head(self) -> None:
+        """Under mixed precision, the log-probs (and so the ratio the constraint acts on) in float32: TRL's fused LM
+        head multiplies in the autocast dtype (trl/kernels/chunked_logprob.py:330) unless it is added with
+        `cast_lm_head_to_fp32`, which runs it outside autocast. TRL's own `cast_lm_head_to_fp32=True` also re-types
+        the head module, which fails for a PEFT model with tied embeddings (grpo_trainer.py:1043), so the fused head
+        is added again here, around TRL's (whose unfused forward, used by `generate`, it calls unchanged)."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
 
     # ------------------------------------------------------------------ generation side
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""Mixed precision (`bf16`) on CPU: the log-probs and the ratio stay float32, an on-policy update has a ratio of
+exactly 1, a bf16 run trains, evaluates and resumes bit-identically after a kill, and a machine that cannot honour
+bf16 refuses it up front. Tiny offline model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from test_train_cli import cli_env, kill_at_checkpoint, tiny_overrides  # noqa: E402
+from test_trainer import make_trainer  # noqa: E402
+
+from trustclip import precision  # noqa: E402
+
+needs_bf16 = pytest.mark.skipif(precision.bf16_problem("cpu") is not None, reason="this CPU has no bfloat16")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    from trustclip.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(tiny_model_path)
+
+
+def first_update(trainer) -> dict:
+    trainer.train()
+    return next(h for h in trainer.state.log_history if "loss" in h)
+
+
+@needs_bf16
+@pytest.mark.parametrize("skip_zero_advantage", [False, True])  # TRL's scoring forward, and trustclip's deferred one
+def test_on_policy_ratio_is_exactly_one_under_bf16(tiny, tmp_path, skip_zero_advantage):
+    trainer = make_trainer(tiny, tmp_path, objective="kl3", bf16=True, max_steps=1,
+                           skip_zero_advantage=skip_zero_advantage)
+    first = first_update(trainer)
+    assert first["objective/ratio_max"] == 1.0 and first["objective/ratio_min"] == 1.0
+    assert first["objective/clip_frac"] == 0.0
+
+
+@needs_bf16
+def test_log_probs_are_float32_from_a_float32_head_under_bf16(tiny, tmp_path):
+    """Under autocast the trainer's log-probs equal a float32 LM head + log-softmax applied to the (autocast) final
+    hidden states; a bfloat16 head would be off by ~1e-2."""
+    trainer = make_trainer(tiny, tmp_path, objective="kl3", bf16=True, max_steps=1)
+    trainer.train()
+    inputs = trainer._buffered_inputs[0]
+    model = trainer.model
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    n = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logps, entropies, _ = trainer._completion_logps(model, inputs, compute_entropy=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, -n - 1:-1]
+        head = model.get_output_embeddings().weight
+        reference = torch.log_softmax(hidden.float() @ head.float().T / trainer.temperature, dim=-1)
+        reference = reference.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # what a bfloat16 head would give
+            low = torch.log_softmax((hidden @ head.T).float() / trainer.temperature, dim=-1)
+        low = low.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    assert logps.dtype == torch.float32 and entropies.dtype == torch.float32
+    real = inputs["completion_mask"].bool()
+    error = (logps - reference)[real].abs().max().item()
+    bf16_error = (low - reference)[real].abs().max().item()
+    assert error < 1e-4 < bf16_error, (error, bf16_error)
+
+
+@needs_bf16
+def test_the_ratio_is_float32_under_bf16(tiny, tmp_path):
+    from trustclip.objectives.registry import TokenLoss
+
+    seen = []
+    trainer = make_trainer(tiny, tmp_path, objective="kl3", bf16=True, max_steps=2)
+    original = trainer._log_objective_metrics
+
+    def spy(mode, out: TokenLoss, batch, *args, **kwargs):
+        seen.append((batch.logp.dtype, batch.old_logp.dtype, batch.ratio.dtype, out.loss.dtype))
+        return original(mode, out, batch, *args, **kwargs)
+
+    trainer._log_objective_metrics = spy
+    trainer.train()
+    assert seen and all(dtypes == (torch.float32,) * 4 for dtypes in seen), seen
+
+
+@needs_bf16
+def test_bf16_trains_and_evaluates(tiny_model_path, tmp_path):
+    from trustclip.train.config import load_config
+    from trustclip.train.pipeline import run_pipeline
+
+    out = tmp_path / "run"
+    config = load_config(None, [*tiny_overrides(tiny_model_path, out), "bf16=true", "quiet=true"])
+    summary = run_pipeline(config)
+    assert set(summary["accuracy_after"]) == {"amc_like", "aime24_like", "aime25_like", "average"}
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [h for h in logs if h["stage"] == "rl" and "loss" in h]
+    assert len(rl) == 2 and all(abs(h["loss"]) < 1e3 for h in rl)
+    saved = (out / "config.yaml").read_text()
+    assert "bf16: true" in saved
+
+
+@needs_bf16
+def test_bf16_resumes_bit_identically_after_a_kill(tiny_model_path, tmp_path):
+    sets = {"rl.max_steps": 6, "rl.save_steps": 2, "rl.save_total_limit": 3, "bf16": True}
+    env = cli_env(tmp_path)
+
+    def command(out):
+        overrides = tiny_overrides(tiny_model_path, out, **sets)
+        return [sys.executable, "-m", "trustclip.cli", "train", "--skip", "sft,eval",
+                *[a for o in overrides for a in ("--set", o)]]
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = subprocess.run(command(whole), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    kill_at_checkpoint(command(killed), env, killed / "rl" / "checkpoint-2")
+    resumed = subprocess.run([*command(killed), "--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout
+
+    def losses(out):
+        return [(h["step"], h["loss"], h["objective/ratio_max"]) for h in map(json.loads, (out / "metrics.jsonl")
+                .read_text().splitlines()) if h["stage"] == "rl" and "loss" in h]
+
+    assert losses(killed) == losses(whole)
+    from safetensors.torch import load_file
+
+    a = load_file(str(next((whole / "rl" / "final").glob("*.safetensors"))))
+    b = load_file(str(next((killed / "rl" / "final").glob("*.safetensors"))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_on_a_cpu_without_bfloat16_is_refused_up_front(monkeypatch, tiny_model_path, tmp_path):
+    from trustclip.train.checks import check_run
+    from trustclip.train.config import load_config
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(None, [*tiny_overrides(tiny_model_path, tmp_path / "run"), "bf16=true"])
+    with pytest.raises(ValueError, match=r"bf16=true cannot be honoured here: this CPU has no bfloat16"):
+        check_run(config)
+    assert not (tmp_path / "run").exists()  # refused before any work
+    # null (the default) means off on CPU, with no error
+    assert precision.resolve_bf16(None) is False
