@@ -41,9 +41,8 @@ class Run:
     """Paths, persistent stage state (state.json) and printing of one pipeline run."""
 
     def __init__(self, config: TrainConfig, printer: Callable[[str], None] | None = None) -> None:
-        from accelerate import PartialState
-
         import torch
+        from accelerate import PartialState
 
         self.config, self.out = config, Path(config.output_dir)
         # cpu=True on a CPU-only machine: the first PartialState fixes the backend (gloo) for the trainers too.

@@ -246,8 +246,8 @@ def eval_config(config: TrainConfig) -> Any:
     from trustclip.precision import resolve_bf16
 
     return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
-                      prompt_style=config.data.prompt_style, answer_fallback=config.data.answer_fallback, reward_timeout=config.rl.reward_timeout,
-                      show_progress=not config.quiet)
+                      prompt_style=config.data.prompt_style, answer_fallback=config.data.answer_fallback,
+                      reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)
 
 
 def run_eval(model: Any, tokenizer: Any, benchmarks: dict, config: TrainConfig, step: int | None = None) -> Any:

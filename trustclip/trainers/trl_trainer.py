@@ -281,7 +281,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         the head module, which fails for a PEFT model with tied embeddings (grpo_trainer.py:1043), so the fused head
         is added again here, around TRL's (whose unfused forward, used by `generate`, it calls unchanged)."""
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=True,
+                          outputs=("log_probs", "entropy"))
 
     # ------------------------------------------------------------------ generation side
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
