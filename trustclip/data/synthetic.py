@@ -164,7 +164,8 @@ def make_synthetic_splits(
     return {"train": _draw_split("train", n_train, tuple(train_levels), seed, taken), **held_out}
 
 
-def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto") -> list[dict[str, str]]:
+def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto",
+                 system_prompt: str | None = None) -> list[dict[str, str]]:
     """Prompt/completion pairs for the SFT-for-format stage (TRL `SFTTrainer` prompt-completion format).
 
     The prompt is built with `trustclip.data.templates.format_prompt` (the same path RL and eval use);
@@ -177,5 +178,6 @@ def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto") -> l
     for i, row in enumerate(rows):
         if "solution" not in row:
             raise ValueError(f"row {i} (id {row.get('id')!r}) has no 'solution' field")
-        out.append({"prompt": format_prompt(row["problem"], tokenizer, style=style), "completion": row["solution"]})
+        prompt = format_prompt(row["problem"], tokenizer, style=style, system_prompt=system_prompt)
+        out.append({"prompt": prompt, "completion": row["solution"]})
     return out

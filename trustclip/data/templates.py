@@ -43,7 +43,8 @@ def resolve_template(style: str = "auto", tokenizer: Any = None) -> str:
 def prompt_messages(problem: str, style: str = "auto", tokenizer: Any = None, system_prompt: str | None = None):
     """Conversational prompt (list of chat messages), e.g. for TRL datasets in conversational format."""
     content = resolve_template(style, tokenizer).replace("{problem}", problem)
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    # "" is an empty system turn: it replaces a template's default system prompt (SmolLM2's is 16 tokens)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     return [*messages, {"role": "user", "content": content}]
 
 

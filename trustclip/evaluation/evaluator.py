@@ -78,6 +78,7 @@ class EvalConfig(EvalArgs):
     top_k: int | None = None  # None disables top-k (the paper's -1)
     bf16: bool = False  # bfloat16 autocast during generation (the run's `bf16`, resolved: trustclip.precision)
     prompt_style: str = "auto"  # see trustclip.data.templates
+    system_prompt: str | None = None  # None: the chat template's default; "": an empty system turn
     reward_timeout: float = DEFAULT_TIMEOUT
     answer_fallback: bool = False  # True: no \boxed{} -> the last `Answer:` line / last number (trustclip.rewards)
     answer_key: str = "answer"
@@ -237,7 +238,8 @@ def evaluate(
         if not rows:
             raise ValueError(f"benchmark {name!r} has no rows")
         prompts = [
-            format_prompt(r["problem"], tokenizer, config.prompt_style, **config.chat_template_kwargs) for r in rows
+            format_prompt(r["problem"], tokenizer, config.prompt_style, config.system_prompt,
+                          **config.chat_template_kwargs) for r in rows
         ]
         if generate_fn is not None:
             completions = generate_fn(prompts)

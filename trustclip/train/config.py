@@ -103,7 +103,9 @@ class DataArgs:
     eval_split: StrictStr = _f("train", "Split of hub benchmark datasets.")
     eval_limit: StrictInt | None = _f(None, "Keep only the first N problems of each benchmark.")
     prompt_style: StrictStr = _f("auto", "Prompt template: auto, math, tiny, raw, or a template containing {problem}.")
-    system_prompt: StrictStr | None = _f(None, "Optional system prompt.")
+    system_prompt: StrictStr | None = _f(None, "System prompt of every prompt (SFT, RL and evaluation alike). null: "
+                                         "the chat template's own default (SmolLM2's names the model, 16 tokens); "
+                                         "\"\": an empty system turn, the shortest prompt.")
     seed: StrictInt = _f(0, "Seed of the built-in synthetic task.")
     builtin_train_levels: list[StrictInt] = _f([2, 3, 4], "Levels of the built-in task's train split (1-4).")
     builtin_n_train: StrictInt = _f(2000, "Problems in the built-in train split (the RL pool; SFT takes its first "

@@ -171,7 +171,8 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
 
     from trustclip.data import sft_examples
 
-    examples = sft_examples(rows if rows is not None else sft_rows(config), tokenizer, style=config.data.prompt_style)
+    examples = sft_examples(rows if rows is not None else sft_rows(config), tokenizer, style=config.data.prompt_style,
+                            system_prompt=config.data.system_prompt)
     folder = out / "sft"
     trainer = SFTTrainer(model=model, args=sft_config(config, folder), train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
@@ -246,7 +247,8 @@ def eval_config(config: TrainConfig) -> Any:
     from trustclip.precision import resolve_bf16
 
     return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
-                      prompt_style=config.data.prompt_style, answer_fallback=config.data.answer_fallback,
+                      prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
+                      answer_fallback=config.data.answer_fallback,
                       reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)
 
 
