@@ -11,8 +11,9 @@ installed `verl/` package), so that a verl upgrade shows which of them are still
   `current_device()` is "cpu", not an index: `utils/fsdp_utils.py:507` moves the model to `get_device_id()`.
 * `VERL_ENGINE_DEVICE=cuda` (verl's own override, `workers/engine/base.py:405-406`): the FSDP engine is registered
   for cuda and npu only (`workers/engine/fsdp/transformer_impl.py:1143`); its code itself runs on the CPU.
-* a gloo process group created before verl's: `utils/distributed.py:89` asks for "cpu:gloo,<device>:nccl", and NCCL
-  needs a GPU; verl keeps a group that already exists (line 90).
+* a gloo process group created before verl's: `utils/distributed.py:89` asks for "cpu:gloo,<device>:<backend>", which
+  is "cpu:gloo,cuda:nccl" (NCCL needs a GPU) with verl's platforms and "cpu:gloo,cpu:gloo" (rejected by torch as a
+  duplicate device type) with this one; verl keeps a group that already exists (line 90).
 * `CPU_OVERRIDES` (config, no patch): `attn_implementation=sdpa` (`workers/config/model.py:185` defaults to
   flash_attention_2, a CUDA kernel); `strategy=fsdp2`, because FSDP1 wraps with `device_id` and
   `sync_module_states=True` (`workers/engine/fsdp/transformer_impl.py:441-444`), which need GPU parameters;
