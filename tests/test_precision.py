@@ -146,3 +146,55 @@ def test_bf16_on_a_cpu_without_bfloat16_is_refused_up_front(monkeypatch, tiny_mo
     assert not (tmp_path / "run").exists()  # refused before any work
     # null (the default) means off on CPU, with no error
     assert precision.resolve_bf16(None) is False
+
+
+def lora_policy(tiny_model_path):
+    from peft import LoraConfig, get_peft_model
+
+    from trustclip.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    return get_peft_model(model, config), tokenizer
+
+
+def test_low_precision_copy_samples_from_the_current_merged_policy(tiny_model_path):
+    policy, tokenizer = lora_policy(tiny_model_path)
+    ids = tokenizer(["Compute 3+4. Answer:", "Compute 12+5. Answer:"], return_tensors="pt", padding=True)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    exact = precision.LowPrecisionCopy(policy, torch.float32)
+    low = precision.LowPrecisionCopy(policy, torch.bfloat16)
+    for step in range(2):
+        with torch.no_grad():
+            want = policy(**ids).logits
+            assert torch.allclose(exact.refresh(policy)(**ids).logits, want, atol=1e-5)
+            assert (low.refresh(policy)(**ids).logits.float() - want).abs().max() < 0.5
+        assert all(p.dtype == torch.bfloat16 for p in low.model.parameters())
+        assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())  # the policy is untouched
+        with torch.no_grad():  # an update of the adapter (and of a non-adapter weight): the copy follows it
+            for name, param in policy.named_parameters():
+                if "lora_B" in name or name.endswith("norm.weight"):
+                    param.add_(0.05 * torch.randn_like(param))
+        before = {k: v.clone() for k, v in policy.state_dict().items()}
+        if step == 0:  # before the refresh the copy still holds the old weights
+            with torch.no_grad():
+                assert not torch.allclose(exact.model(**ids).logits, policy(**ids).logits, atol=1e-5)
+
+
+def test_generation_dtype_samples_from_the_copy_and_keeps_the_ratio(tiny, tmp_path):
+    trainer = make_trainer(tiny, tmp_path, objective="kl3", max_steps=2, generation_dtype="bfloat16")
+    calls = []
+    copy_model = trainer._sampler.model
+    original = copy_model.generate
+    copy_model.generate = lambda *a, **k: calls.append(1) or original(*a, **k)
+    first = first_update(trainer)
+    assert calls, "TRL's generation did not sample from the copy"
+    assert first["objective/ratio_max"] == 1.0 and first["objective/ratio_min"] == 1.0
+    assert trainer.model_wrapped is not copy_model
+
+
+def test_generation_dtype_is_checked(tmp_path):
+    from trustclip.trainers import TrustClipGRPOConfig
+
+    with pytest.raises(ValueError, match="generation_dtype='int8' is invalid"):
+        TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_dtype="int8")

@@ -24,6 +24,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
         "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
         "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
     ),
+    # sample from the low-precision copy (generation_dtype)
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations"),
     # transformers.Trainer's, also overridden by GRPOTrainer: the DeltaController's state rides with the optimizer's
     "_save_optimizer_and_scheduler": ("output_dir",),
     "_load_optimizer_and_scheduler": ("checkpoint",),
@@ -36,6 +38,9 @@ CALLED_METHODS: dict[str, tuple[str, ...]] = {
 }
 # Trainer state set by GRPOTrainer.__init__ that the subclass reads (and, where noted, writes).
 ATTRIBUTES: dict[str, str] = {
+    "model_wrapped": "the model TRL's generation samples from (the low-precision copy while generating)",
+    "is_fsdp_enabled": "FSDP shards the policy (no whole weights to copy for generation_dtype)",
+    "is_deepspeed_enabled": "DeepSpeed, likewise",
     "_metrics": "per-mode metric buffers the subclass appends its metrics to (TRL logs and clears them)",
     "_buffered_inputs": "the generation batch split into slices (the subclass counts their tokens)",
     "_step": "micro-step counter: which slice of the buffered batch a micro-batch is",

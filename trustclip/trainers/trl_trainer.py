@@ -60,6 +60,7 @@ from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, exact_kl, topk_kl, topk_logprobs
+from trustclip.precision import LowPrecisionCopy
 from trustclip.trainers.trl_surface import check_trl_surface
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ _OLD_HIDDEN_KEYS = ("old_hidden_states",)
 _OLD_TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
 # Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
 _HEAD_CHUNK_ELEMENTS = 2**23
+GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -121,6 +123,12 @@ class TrustClipGRPOConfig(GRPOConfig):
             smaller when H is large and completions long.
         full_kl_topk (`int`, defaults to `256`):
             k of `full_kl_storage="topk"`; k >= V - 1 keeps the whole distribution (exact).
+        generation_dtype (`str`, *optional*):
+            Sample completions from a copy of the policy in this dtype (`"bfloat16"`), its LoRA adapter merged,
+            refreshed from the policy before each generation (`trustclip.precision.LowPrecisionCopy`). The
+            log-probs of the update (old and new) still come from the policy, so the ratio is unchanged; the copy
+            only decides which tokens are sampled, as vLLM does. On CPU it halves generation time
+            (`benchmarks/real_model_step.py`). Default: TRL's generation from the policy itself.
     """
 
     objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
@@ -151,6 +159,10 @@ class TrustClipGRPOConfig(GRPOConfig):
         default=DEFAULT_TOPK, metadata={"help": "k of full_kl_storage='topk' (old-policy tokens kept per position; "
                                                 ">= V - 1 is exact)."}
     )
+    generation_dtype: str | None = field(
+        default=None, metadata={"help": "Sample from a merged copy of the policy in this dtype (bfloat16, float16 or "
+                                        "float32), refreshed before each generation (default: the policy itself)."}
+    )
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
@@ -177,6 +189,12 @@ class TrustClipGRPOConfig(GRPOConfig):
                              f"{', '.join(FULL_KL_STORAGES)}")
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
+        if self.generation_dtype is not None and self.generation_dtype not in GENERATION_DTYPES:
+            raise ValueError(f"generation_dtype={self.generation_dtype!r} is invalid; valid: "
+                             f"{', '.join(GENERATION_DTYPES)} (or None)")
+        if self.generation_dtype is not None and self.use_vllm:
+            raise ValueError("generation_dtype samples from a copy of the policy in this process; with use_vllm=True "
+                             "vLLM samples: leave generation_dtype unset")
         if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
             raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
         if self.importance_sampling_level != "token":
@@ -262,6 +280,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             self._float32_lm_head()
+        self._sampler = self._low_precision_sampler(args)
         self.max_len_normalizer = max_len or self.max_completion_length
         # Exact per-step token counts need each accumulation window inside one generation batch.
         self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
@@ -285,6 +304,27 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                           outputs=("log_probs", "entropy"))
 
     # ------------------------------------------------------------------ generation side
+    def _low_precision_sampler(self, args: GRPOConfig) -> LowPrecisionCopy | None:
+        dtype = getattr(args, "generation_dtype", None)
+        if dtype is None:
+            return None
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # a sharded policy has no whole weights to copy
+            raise ValueError("generation_dtype needs the whole policy in each process; it does not combine with "
+                             "FSDP or DeepSpeed: leave it unset")
+        return LowPrecisionCopy(self.model, getattr(torch, dtype))
+
+    def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's generation, from the low-precision copy (refreshed with the current weights) when there is one:
+        TRL's generation path samples from `model_wrapped`, which is the copy for the duration of the call."""
+        if self._sampler is None:
+            return super()._generate_single_turn(*args, **kwargs)
+        policy = self.model_wrapped
+        self.model_wrapped = self._sampler.refresh(self.accelerator.unwrap_model(self.model))
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            self.model_wrapped = policy
+
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         skip = self.skip_zero_advantage and self.model.training
         full_kl = "full_kl" in self.objective.requires
