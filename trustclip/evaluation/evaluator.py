@@ -76,7 +76,7 @@ class EvalConfig(EvalArgs):
     and `rl.reward_timeout`, so a run is evaluated exactly as it was rewarded."""
 
     top_k: int | None = None  # None disables top-k (the paper's -1)
-    bf16: bool = False  # bfloat16 autocast during generation (the run's `bf16`, resolved: trustclip.precision)
+    bf16: bool = False  # generate from a merged bfloat16 copy (the run's `bf16`, resolved: trustclip.precision)
     prompt_style: str = "auto"  # see trustclip.data.templates
     system_prompt: str | None = None  # None: the chat template's default; "": an empty system turn
     reward_timeout: float = DEFAULT_TIMEOUT
@@ -153,17 +153,22 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
     if do_sample:
         gen_kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
     devices = [device.index or 0] if device.type == "cuda" else []
+    if config.bf16:  # sample from a merged bfloat16 copy: no per-step weight casts, no separate LoRA matmuls
+        from trustclip.precision import LowPrecisionCopy
+
+        sampler = LowPrecisionCopy(model, torch.bfloat16).model
+    else:
+        sampler = model
     model.eval()
     try:
-        with (torch.random.fork_rng(devices=devices), torch.inference_mode(),
-              torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16)):
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(config.seed)
             with _progress(len(jobs), desc, config.show_progress) as bar:
                 for start in range(0, len(jobs), config.batch_size):
                     batch = jobs[start : start + config.batch_size]
                     enc = tokenizer([p for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
                     enc = {k: v.to(device) for k, v in enc.items()}
-                    out = model.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id)
+                    out = sampler.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id)
                     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                     for (i, _), text in zip(batch, texts, strict=True):
                         outputs[i].append(text)
