@@ -10,7 +10,7 @@ MODELS_STAMP := $(VENV)/.trustclip-models-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test lint clean table2 table3 figure3 beyond experiments
+.PHONY: run test lint clean table2 table3 figure3 beyond experiments smollm2
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -74,3 +74,9 @@ beyond: $(STAMP)
 	  --objectives atr,clip,atr_adaptive,atr_seq
 
 experiments: table2 table3 figure3 beyond
+
+# RL on a real LM (README, "A real model"): recipes/smollm2_arith.yaml on SEEDS seeds (SFT, evaluation before, ATR-GRPO,
+# evaluation after; one at a time), resumable; the report gives each seed's RL start -> after and the paired interval.
+smollm2: $(STAMP) $(MODELS_STAMP)
+	$(VENV)/bin/trustclip compare --config recipes/smollm2_arith.yaml --objectives kl3 --seeds $(SEEDS) \
+	  --runs-dir runs/smollm2 --output-dir runs/smollm2/arith --jobs 1 --threads-per-job 2
