@@ -64,7 +64,10 @@ def test_smollm2_recipes_load_with_lora_and_off_policy_updates(name):
     get_objective(config.rl.objective, **config.rl.objective_kwargs)
     m, r = config.model, config.rl
     assert (m.name_or_path, m.lora, m.lora_r, m.lora_alpha) == (SMOLLM2_MODEL_NAME, True, 32, 64)
-    assert r.num_iterations >= 2 and r.objective == "kl3"
+    assert r.objective == "kl3"
+    # off-policy updates (the constraint acts): several updates per generation batch, or several optimizer steps
+    generate_every = (r.steps_per_generation or r.gradient_accumulation_steps) * r.num_iterations
+    assert generate_every > r.gradient_accumulation_steps
     assert config.data.prompt_style == "math" and config.stages == ["sft", "rl", "eval"]
 
 
