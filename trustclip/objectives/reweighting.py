@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from trustclip.objectives import bounds as B
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.clipping import EPS_RULE, _interval_bounds
+from trustclip.objectives.constraints import kl_constraint
 from trustclip.objectives.registry import TokenLoss, choice, number, register_objective
 
 
@@ -166,7 +166,7 @@ ATR_SEQ_DELTA = 6e-8
     summary="sequence-level ATR: KL3(s_i) = s_i - 1 - log s_i <= delta on GSPO's ratio s_i, Lambert-W bounds",
     params={"delta": number(ATR_SEQ_DELTA, low=0.0, strict_low=True,
                             doc="calibrated to GSPO's range: KL3 of a sequence ratio is ~(mean log w)^2 / 2")},
-    bounds=lambda hp: B.kl3_bounds(hp["delta"]),
+    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
 )
 def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
     """J_i = min(s_i A_i, clip(s_i, l_delta, u_delta) A_i), s_i = exp((1/L_i) sum_t log w_t), where
@@ -175,5 +175,5 @@ def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
         d J_i / d logp_it = A_i s_i / L_i   if l <= s_i <= u or (s_i - 1) A_i <= 0,   else 0.
     For small delta l, u = 1 -+ sqrt(2 delta) + 2 delta / 3 + O(delta^1.5): at GSPO's scale the region is symmetric
     to 1e-7 (u - 1 - (1 - l) = 4 delta / 3), so ATR's asymmetry does not carry over at the default delta."""
-    low, high = B.kl3_bounds(delta)
+    low, high = kl_constraint("kl3", delta).bounds  # solved once per delta (memoised)
     return sequence_clipped_surrogate(batch, low, high)
