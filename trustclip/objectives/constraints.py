@@ -31,7 +31,8 @@ class Constraint:
         raise NotImplementedError
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
-        """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval."""
+        """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval. An interval holds
+        the unchanged policy: l <= 1 <= u (floats, or (B, T) tensors)."""
         return None
 
 
@@ -65,6 +66,11 @@ class DivergenceConstraint(Constraint):
     divergence: Callable[[torch.Tensor], torch.Tensor]
     delta: float
     bounds: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.bounds is not None and not self.bounds[0] <= 1 <= self.bounds[1]:
+            raise ValueError(f"{self.name}: bounds {self.bounds} must hold w = 1 (a divergence of the ratio is 0 "
+                             "there): low <= 1 <= high")
 
     def holds(self, batch: PolicyBatch) -> torch.Tensor:
         return self.divergence(batch.ratio.detach()) <= self.delta
