@@ -99,21 +99,25 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
                                      epsilon_low, high_entropy_epsilon)
         eps_low = eps_high = eps
     else:
-        eps_low, eps_high = torch.full_like(w, epsilon_low), torch.full_like(w, epsilon_high)
-    upper, lower = 1 + eps_high, 1 - eps_low
-    zero, cap = torch.zeros_like(w), torch.full_like(w, c)
-    weight_pos = torch.where(w > upper, zero, torch.where(w < 1 / c, cap, 1 / w))
-    value_pos = adv / torch.minimum(torch.maximum(w, torch.full_like(w, 1 / c)), upper)
-    weight_neg = torch.where(w < lower, zero, torch.where(w > c, cap, w))
-    value_neg = adv * torch.minimum(torch.maximum(w, lower), cap)
-    pos = adv > 0
+        eps_low, eps_high = epsilon_low, epsilon_high
+    upper, lower = 1 + eps_high, 1 - eps_low  # floats, or (B, T) tensors with entropy_split
+    pos, neg = adv > 0, adv < 0
+    above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
+    weight_pos = torch.where(above, 0.0, torch.where(tiny, c, 1 / w))
+    value_pos = adv / _at_most(w.clamp(min=1 / c), upper)
+    weight_neg = torch.where(below, 0.0, torch.where(huge, c, w))
+    value_neg = adv * _at_least(w, lower).clamp(max=c)
     loss = loss_with_weight(batch, torch.where(pos, value_pos, value_neg), torch.where(pos, weight_pos, weight_neg))
-    return TokenLoss(
-        loss,
-        clipped_low=~pos & (adv < 0) & (w < lower),
-        clipped_high=pos & (w > upper),
-        stats={"soft_clip_frac": (pos & (w < 1 / c)) | ((adv < 0) & (w > c))},
-    )
+    return TokenLoss(loss, clipped_low=neg & below, clipped_high=pos & above,
+                     stats={"soft_clip_frac": (pos & tiny) | (neg & huge)})
+
+
+def _at_most(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    return torch.minimum(x, bound) if torch.is_tensor(bound) else x.clamp(max=bound)
+
+
+def _at_least(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    return torch.maximum(x, bound) if torch.is_tensor(bound) else x.clamp(min=bound)
 
 
 def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> TokenLoss:

@@ -20,6 +20,12 @@ HIDDEN_KEYS = ("old_hidden_states",)
 TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
 
 
+def prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of prompt and completion side by side, as the policy reads them."""
+    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+
+
 def causal_lm(model: Any, unwrap: Any = lambda m: m) -> Any:
     """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
     inner = unwrap(model)
@@ -81,9 +87,7 @@ class FullVocabForward:
         dict of `keys`); else None."""
         lm = causal_lm(model, self.unwrap)
         completion = inputs["completion_ids"]
-        hidden = completion_hidden_states(
-            model, lm, torch.cat([inputs["prompt_ids"], completion], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion.size(1), self.autocast)
+        hidden = completion_hidden_states(model, lm, *prompt_and_completion(inputs), completion.size(1), self.autocast)
         topk = self.keys == TOPK_KEYS
         if keep:
             given = {"keep_topk": self.topk} if topk else {}

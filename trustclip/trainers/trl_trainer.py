@@ -36,7 +36,7 @@ from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.delta_control import DeltaControlCallback
-from trustclip.trainers.full_vocab import FullVocabForward
+from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion
 from trustclip.trainers.step_counts import StepCounts
 from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, on_policy_warning
 from trustclip.trainers.trl_surface import check_trl_surface
@@ -235,7 +235,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _completion_logps(self, model: Any, inputs: dict[str, Any], **kwargs: Any):
         """TRL's fused (log-probs, entropies, aux loss) of the completions in `inputs` under `model`."""
-        input_ids, attention_mask = _prompt_and_completion(inputs)
+        input_ids, attention_mask = prompt_and_completion(inputs)
         return self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, inputs["completion_ids"].size(1),
             **{k: inputs.get(k) for k in MULTIMODAL_KEYS}, **kwargs,
@@ -376,12 +376,6 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._delta_callback is not None and checkpoint is not None:
             self._delta_callback.load(checkpoint, self._objective.name)
-
-
-def _prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, attention mask) of prompt and completion side by side, as the policy reads them."""
-    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
 
 
 def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
