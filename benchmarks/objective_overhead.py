@@ -1,10 +1,19 @@
 """Benchmark (not a test): cost of trustclip's policy loss vs a bare inline PPO loss.
 
-For each objective, forward + backward of `compute_policy_loss` (validation, the objective, aggregation
-and the float metrics) on a (B, T) batch, against the minimal clip-higher loss a trainer would inline
-(the loss TRL computes for loss_type="dapo"), interleaved in one run so that both see the same machine
-state. Prints the median time per call and the ratio. This measures the loss layer only; in training
-it is dwarfed by the model's forward/backward (see benchmarks/trainer_overhead.py).
+For each objective, forward + backward of `compute_policy_loss` (validation, the objective, aggregation) on a
+(B, T) batch, against the minimal clip-higher loss a trainer would inline (the loss TRL computes for
+loss_type="dapo"), interleaved in one run so that both see the same machine state. `compute_policy_loss` returns
+its metrics reduced when first read, so it is timed twice: the loss alone (`loss ms`, what the inline loss
+computes) and the loss with its metrics read (`+metrics ms`: clip fractions, ratio mean / extremes, KL3, the
+objective's statistics, one device-to-host transfer). Prints the median time per call and both ratios to the
+inline loss. This measures the loss layer only; in training it is dwarfed by the model's forward/backward (see
+benchmarks/trainer_overhead.py).
+
+The ratio objectives (the issue-26 target, at most 1.5x the inline loss at B 16 x T 1024) are those whose per-token
+loss is a function of the ratio (per token, or GSPO's per sequence) and the advantage alone, with constant bounds or
+gates: unconstrained, clip, clip_higher, dual_clip, kl1, kl2, kl3, is_kl3, atr_adaptive, sapo, cispo, aspo, gspo,
+atr_seq. The others need more per token: dcpo and trgppo bounds from the old token probability (trgppo solves them
+by Newton's method), truly_ppo a full-vocabulary KL input, clip_cov / kl_cov a batch covariance and a selection.
 
     python benchmarks/objective_overhead.py [--batch 16] [--length 1024] [--repeats 30]
 """
@@ -18,6 +27,9 @@ import time
 import torch
 
 import trustclip as tc
+
+RATIO_OBJECTIVES = ("unconstrained", "clip", "clip_higher", "dual_clip", "kl1", "kl2", "kl3", "is_kl3",
+                    "atr_adaptive", "sapo", "cispo", "aspo", "gspo", "atr_seq")
 
 
 def inline_dapo(logp, old_logp, adv, mask):
@@ -53,7 +65,8 @@ def main() -> None:
 
     print(f"batch {shape}, {int(mask.sum())} valid tokens, {torch.get_num_threads()} thread(s), "
           f"median of {args.repeats} interleaved forward+backward calls")
-    print(f"{'objective':<12} {'trustclip ms':>12} {'inline ms':>10} {'ratio':>7}")
+    print(f"{'objective':<14} {'loss ms':>8} {'+metrics ms':>11} {'inline ms':>9} {'ratio':>6} {'+metrics':>8}")
+    worst = [0.0, 0.0]
     for row in tc.list_objectives():
         name = row["name"]
         if name == "general":
@@ -61,18 +74,31 @@ def main() -> None:
         objective = tc.get_objective(name)
         needed = {k: extras[k] for k in objective.requires}
 
-        def ours(x, objective=objective, needed=needed):
+        def loss_only(x, objective=objective, needed=needed):
             return tc.compute_policy_loss(objective, logp=x, old_logp=old, advantages=adv, mask=mask,
                                           aggregation="token_mean", **needed)[0]
 
-        ours_t, base_t = [], []
+        def with_metrics(x, objective=objective, needed=needed):
+            loss, metrics = tc.compute_policy_loss(objective, logp=x, old_logp=old, advantages=adv, mask=mask,
+                                                   aggregation="token_mean", **needed)
+            dict(metrics)  # read them: the reduction and its transfer happen here
+            return loss
+
+        calls = (loss_only, with_metrics, baseline)
+        times = [[], [], []]
         for _ in range(3):  # warm-up
-            time_call(ours, logp), time_call(baseline, logp)
+            for fn in calls:
+                time_call(fn, logp)
         for _ in range(args.repeats):
-            ours_t.append(time_call(ours, logp))
-            base_t.append(time_call(baseline, logp))
-        a, b = statistics.median(ours_t) * 1e3, statistics.median(base_t) * 1e3
-        print(f"{name:<12} {a:12.2f} {b:10.2f} {a / b:7.2f}")
+            for fn, series in zip(calls, times, strict=True):
+                series.append(time_call(fn, logp))
+        ours, ours_metrics, inline = (statistics.median(t) * 1e3 for t in times)
+        ratios = ours / inline, ours_metrics / inline
+        if name in RATIO_OBJECTIVES:
+            worst = [max(w, r) for w, r in zip(worst, ratios, strict=True)]
+        flag = "" if name in RATIO_OBJECTIVES else "  (not a ratio objective)"
+        print(f"{name:<14} {ours:8.2f} {ours_metrics:11.2f} {inline:9.2f} {ratios[0]:6.2f} {ratios[1]:8.2f}{flag}")
+    print(f"ratio objectives, worst ratio to the inline loss: {worst[0]:.2f} (loss), {worst[1]:.2f} (loss + metrics)")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ def worker(name: str, recipe: str, steps: int, threads: int, scratch: Path) -> d
     timer = Timer()
     trainer._generate_single_turn = timer.wrap("generation", trainer._generate_single_turn)
     scoring = trainer._get_per_token_logps_and_entropies
-    trainer._get_per_token_logps_and_entropies = timer.wrap("scoring", scoring, lambda *a, **k: not torch.is_grad_enabled())
+    trainer._get_per_token_logps_and_entropies = timer.wrap("scoring", scoring,
+                                                            lambda *a, **k: not torch.is_grad_enabled())
     marks: list[float] = []
     from transformers import TrainerCallback
 
@@ -116,7 +117,8 @@ def worker(name: str, recipe: str, steps: int, threads: int, scratch: Path) -> d
              for k in ("generation", "scoring")}
     total = (marks[last] - marks[first]) / n
     return {"name": name, "step_s": total, "generation_s": spent["generation"], "scoring_s": spent["scoring"],
-            "update_s": total - spent["generation"] - spent["scoring"], "steps": n, "wall_s": time.perf_counter() - start,
+            "update_s": total - spent["generation"] - spent["scoring"], "steps": n,
+            "wall_s": time.perf_counter() - start,
             "prompt_tokens": int(trainer._buffered_inputs[0]["prompt_ids"].size(1)),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -145,8 +147,8 @@ def generation_levers(recipe: str, threads: int, rounds: int) -> dict[str, float
     def sample(model, new_tokens=length, batch=size, autocast=False, **kwargs):
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             for i in range(0, size, batch):
-                model.generate(input_ids=enc["input_ids"][i:i + batch], attention_mask=enc["attention_mask"][i:i + batch],
-                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                rows = {key: value[i:i + batch] for key, value in enc.items()}
+                model.generate(**rows, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                                pad_token_id=tokenizer.pad_token_id, **kwargs)
 
     variants = {

@@ -106,6 +106,42 @@ def test_bad_state_and_statistics_are_refused():
         DeltaController(delta_min=0.3, delta_max=0.2)
 
 
+# ------------------------------------------------------------------ the TrainerCallback, without a trainer
+def test_callback_moves_delta_once_per_generation_batch_from_its_off_policy_micro_batches():
+    """Two optimizer steps of two micro-batches per generation batch: the first step's micro-batches (ratio 1) are
+    not counted; the token-weighted mean of the others moves delta at the batch's last micro-batch."""
+    from trustclip.trainers.delta_control import DeltaControlCallback
+
+    callback = DeltaControlCallback(DeltaController(delta=0.04, target_value=0.01), gradient_accumulation_steps=2,
+                                    generate_every=4)
+    statistics = [(5.0, 10.0), (5.0, 10.0), (0.001, 30.0), (0.1, 10.0)]  # (kl3_mean, tokens) per micro-batch
+    logged = [callback.record({"kl3_mean": kl3}, tokens, step) for step, (kl3, tokens) in enumerate(statistics)]
+    assert [entry["objective/delta"] for entry in logged] == [0.04] * 4  # every update of the batch: one delta
+    window_mean = (0.001 * 30 + 0.1 * 10) / 40  # 0.02575 > 0.015: the update moved too far
+    assert logged[-1]["objective/controller_kl3_mean"] == pytest.approx(window_mean)
+    assert "objective/controller_kl3_mean" not in logged[1] and callback.controller.delta == 0.02
+
+
+def test_callback_writes_its_state_before_the_trainer_saves_and_loads_it_back(tmp_path):
+    from types import SimpleNamespace
+
+    from trustclip.trainers.delta_control import DELTA_CONTROLLER_FILE, DeltaControlCallback
+
+    callback = DeltaControlCallback(DeltaController(delta=0.04), gradient_accumulation_steps=1, generate_every=2)
+    callback.controller.update({"kl3_mean": 0.5})
+    args, state = SimpleNamespace(output_dir=str(tmp_path), should_save=True), SimpleNamespace(global_step=6)
+    callback.on_step_end(args, state, SimpleNamespace(should_save=False))
+    assert not (tmp_path / "checkpoint-6").exists()  # no save this step: nothing written
+    callback.on_step_end(args, state, SimpleNamespace(should_save=True))  # the Trainer saves right after this event
+    saved = json.loads((tmp_path / "checkpoint-6" / DELTA_CONTROLLER_FILE).read_text())
+    assert saved["delta"] == 0.02 and saved["updates"] == 1
+    resumed = DeltaControlCallback(DeltaController(delta=0.04), gradient_accumulation_steps=1, generate_every=2)
+    resumed.load(tmp_path / "checkpoint-6", "atr_adaptive")
+    assert resumed.controller.state_dict() == callback.controller.state_dict()
+    with pytest.raises(ValueError, match="checkpoint-7: it has no delta_controller.json"):
+        resumed.load(tmp_path / "checkpoint-7", "atr_adaptive")
+
+
 # ------------------------------------------------------------------ in TrustClipGRPOTrainer
 pytest.importorskip("trl")
 from test_trainer import make_config, make_trainer  # noqa: E402

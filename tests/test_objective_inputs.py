@@ -167,3 +167,29 @@ def test_cli_bounds(capsys):
     assert cli_main(["bounds", "--objective", "kl3", "--delta", "-1"]) == 2
     assert "delta=-1.0 is invalid" in capsys.readouterr().err
     assert math.isfinite(tc.ratio_bounds("clip")[1])
+
+
+def test_the_one_transfer_validation_builds_the_batch_of_the_token_by_token_path():
+    """make_batch checks a usual batch from a few reductions read back at once, and anything unusual on the
+    token-by-token path (which names the bad value); both must build the same batch, values and gradients."""
+    from trustclip.objectives.batch import _checked_batch, _fast_batch
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g) * 3
+    logp = (old + 0.3 * torch.randn(4, 6, generator=g)).clamp(max=0).requires_grad_(True)
+    mask = torch.arange(6)[None] < torch.tensor([[6], [2], [4], [1]])
+    args = (logp, old, torch.randn(4, 1, generator=g), mask, {"entropy": torch.rand(4, 6, generator=g)}, ["entropy"])
+    fast, checked = _fast_batch(*args), _checked_batch(*args)
+    assert fast is not None
+    for field in ("logp", "old_logp", "advantages", "mask", "log_ratio", "ratio"):
+        assert torch.equal(getattr(fast, field), getattr(checked, field)), field
+    assert torch.equal(fast.extras["entropy"], checked.extras["entropy"])
+    weights = torch.rand(4, 6, generator=g)
+    grads = [torch.autograd.grad((b.ratio * b.logp * weights).sum(), logp)[0] for b in (fast, checked)]
+    assert torch.equal(*grads) and (grads[0][~mask] == 0).all()
+    # what the one-transfer check leaves to the token-by-token path
+    junk = logp.detach().masked_fill(~mask, float("nan"))
+    assert _fast_batch(junk, *args[1:]) is None  # NaN on padding: neutralised there, never multiplied by 0
+    assert _fast_batch(logp, old - 25.0, *args[2:]) is None  # |log w| beyond the clamp
+    assert _fast_batch(logp, old, args[2], mask.float() * 0.5, *args[4:]) is None  # not a 0/1 mask
+    assert _fast_batch(*args[:4], {"entropy": -args[4]["entropy"]}, ["entropy"]) is None  # a negative entropy

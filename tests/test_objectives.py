@@ -351,3 +351,27 @@ def test_atr_adaptive_at_a_fixed_delta_is_atr():
         assert torch.equal(_grad(adaptive, logp, old, adv, mask), _grad(get_objective("atr", delta=delta), logp, old,
                                                                           adv, mask))
         assert tc.ratio_bounds(adaptive) == tc.ratio_bounds("atr", delta=delta)
+
+
+
+# Each case its own delta, one no other test uses: the memo of the bounds starts without it.
+ESTIMATOR_CASES = [("kl1", 0.0111), ("kl2", 0.0112), ("kl3", 0.0113), ("is_kl3", 0.0114), ("atr_adaptive", 0.0115),
+                   ("atr_seq", 0.0116)]
+
+
+@pytest.mark.parametrize("name,delta", ESTIMATOR_CASES)
+def test_divergence_bounds_are_solved_once_per_objective(name, delta, monkeypatch):
+    """The Lambert-W / closed-form bounds of an estimator constraint are computed once per (estimator, delta), not on
+    every forward (issue 26, item 4)."""
+    from trustclip.objectives import bounds as B
+
+    solver = {"kl1": "kl1_bounds", "kl2": "kl2_bounds", "is_kl3": "is_kl3_bounds"}.get(name, "kl3_bounds")
+    calls = []
+    original = getattr(B, solver)
+    monkeypatch.setattr(B, solver, lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
+    objective = get_objective(name, delta=delta)
+    logp, old, adv, mask, _, _ = random_inputs(0)
+    losses = [tc.compute_policy_loss(objective, logp=logp, old_logp=old, advantages=adv, mask=mask)[0]
+              for _ in range(3)]
+    assert len(calls) == 1, calls
+    assert losses[0].item() == losses[2].item()

@@ -104,6 +104,16 @@ def test_every_trl_name_the_trainer_touches_is_listed():
     assert private <= listed, f"train/callbacks.py uses TRL's {sorted(private - listed)}: list them"
 
 
+def test_the_parts_apart_from_the_trainer_import_no_trl():
+    """The zero-advantage filter, the delta callback, truly_ppo's forward and the step counts (each tested without
+    TRL) import nothing of it, so no private TRL name hides outside trl_trainer.py."""
+    for module in ("zero_advantage", "delta_control", "full_vocab", "step_counts"):
+        tree = ast.parse((ROOT / "trustclip" / "trainers" / f"{module}.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not {name for name in imported if name.split(".")[0] == "trl"}, module
+
+
 # ------------------------------------------------------------------ parity with TRL's _compute_loss
 CLIP_DR_GRPO = dict(objective="clip", objective_kwargs={"epsilon": 0.2}, aggregation="dr_grpo", max_completion_length=6)
 

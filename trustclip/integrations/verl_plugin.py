@@ -34,11 +34,12 @@ try:  # verl logs plugin import errors only at DEBUG: make them visible first
     import torch
 
     from trustclip.metric_names import VERL_NAMES, objective_name
-    from trustclip.objectives import REGISTRY, Objective, get_objective, policy_metrics
+    from trustclip.objectives import REGISTRY, Objective, get_objective
     from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
     from trustclip.objectives.batch import PolicyBatch
     from trustclip.objectives.loss import compute_token_loss
     from trustclip.objectives.registry import ALIASES, TokenLoss
+    from trustclip.objectives.statistics import reduce_statistics, token_statistics
 except Exception as _err:
     _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
     raise
@@ -209,9 +210,10 @@ def verl_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
     of -log w (k1 of KL(pi_old || pi)); `actor/pg_clipfrac_lower`: tokens hit by the dual clip (A < 0,
     w > c), 0 for objectives without one, as in verl's losses.
     """
-    metrics = policy_metrics(out, batch)
-    mask = batch.mask
-    ppo_kl = float((-batch.log_ratio.detach() * mask).sum() / mask.sum())
+    stats = token_statistics(out, batch)
+    stats.means["actor/ppo_kl"] = -batch.log_ratio.detach()  # verl's own, not an objective metric
+    metrics, _ = reduce_statistics(stats, batch.mask)  # this micro-batch's means: verl averages the micro-batches
+    ppo_kl = metrics.pop("actor/ppo_kl")
     verl = {name: metrics.get(key, 0.0) for key, name in VERL_NAMES.items()} | {"actor/ppo_kl": ppo_kl}
     return verl | {"actor/" + objective_name(key): value for key, value in metrics.items()}
 

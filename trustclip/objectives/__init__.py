@@ -14,6 +14,7 @@ from trustclip.objectives.constraints import (
     custom_divergence,
     kl_constraint,
 )
+from trustclip.objectives.full_kl import full_vocab_logprobs
 from trustclip.objectives.loss import compute_policy_loss, compute_token_loss, policy_metrics
 from trustclip.objectives.registry import (
     REGISTRY,
@@ -24,10 +25,12 @@ from trustclip.objectives.registry import (
     ratio_bounds,
     register_objective,
 )
+from trustclip.objectives.statistics import PolicyMetrics, reduce_statistics, token_statistics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DeltaController", "DivergenceConstraint",
-    "FullKLConstraint", "Objective", "PolicyBatch", "ProbabilityInterval", "RatioInterval", "TokenLoss", "aggregate",
-    "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence", "get_objective",
-    "kl_constraint", "list_objectives", "make_batch", "policy_metrics", "ratio_bounds", "register_objective",
+    "FullKLConstraint", "Objective", "PolicyBatch", "PolicyMetrics", "ProbabilityInterval", "RatioInterval",
+    "TokenLoss", "aggregate", "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence",
+    "full_vocab_logprobs", "get_objective", "kl_constraint", "list_objectives", "make_batch", "policy_metrics",
+    "ratio_bounds", "reduce_statistics", "register_objective", "token_statistics",
 ]

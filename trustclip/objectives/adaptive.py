@@ -25,7 +25,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from trustclip.objectives import bounds as B
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.clipping import clipped_surrogate
 from trustclip.objectives.constraints import kl_constraint
@@ -70,7 +69,7 @@ def _check_controller(hp: Mapping[str, Any]) -> None:
         "tolerance": number(1.5, low=1.0, strict_low=True, doc="dead band [target / tol, target * tol] (PPO: 1.5)"),
         "factor": number(2.0, low=1.0, strict_low=True, doc="multiplicative step of delta (PPO: 2)"),
     },
-    bounds=lambda hp: B.kl3_bounds(hp["delta"]),
+    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
     check_all=_check_controller,
 )
 def atr_adaptive(batch: PolicyBatch, *, delta: float, target: str, target_value: float, delta_min: float,

@@ -3,16 +3,25 @@
 Validation lives here so that each objective can be a short formula: shapes are checked, advantages
 are broadcast to (B, T), padded positions are neutralised (their values never reach the loss or the
 gradient), and non-finite values on real tokens are rejected with the position that holds them.
+
+The usual batch (every input finite, |log w| within the clamp) is validated from a handful of reductions read
+back in one transfer; anything else takes the token-by-token path, which finds and names the bad value.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
 
 # Log-ratios are clamped before exp (as verl does) so that a stale old policy cannot overflow w.
 LOG_RATIO_CLAMP = 20.0
+LOGP_MAX = 1e-3  # a log-probability above this is not one (logits passed instead?)
+# Inputs that are non-negative by definition (an entropy, a KL, a weight). Computed in float32 an exact 0 can come
+# out a hair below it, so values down to -NONNEGATIVE_TOLERANCE pass; anything lower is a bug upstream.
+NONNEGATIVE_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -64,23 +73,69 @@ def make_batch(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     extras: dict[str, torch.Tensor | None] | None = None,
+    *,
+    nonnegative: Collection[str] = (),
 ) -> PolicyBatch:
-    """Validate inputs and build a PolicyBatch. `old_logp=None` means on-policy (ratio == 1)."""
+    """Validate inputs and build a PolicyBatch. `old_logp=None` means on-policy (ratio == 1). The extras named in
+    `nonnegative` must be >= -NONNEGATIVE_TOLERANCE on every valid token."""
     if not isinstance(logp, torch.Tensor) or logp.dim() != 2:
         raise ValueError(f"logp must be a (B, T) tensor, got {_describe(logp)}")
     if not logp.is_floating_point():
         raise ValueError(f"logp must be a floating-point tensor, got dtype {logp.dtype}")
     shape = logp.shape
-    valid = _as_valid_mask(mask, shape)
+    if not isinstance(mask, torch.Tensor) or mask.shape != shape:
+        raise ValueError(f"mask has shape {_describe(mask)}, expected {tuple(shape)} (same as logp)")
     old_logp = logp.detach() if old_logp is None else old_logp
     if not isinstance(old_logp, torch.Tensor) or old_logp.shape != shape:
         raise ValueError(f"old_logp has shape {_describe(old_logp)}, expected {tuple(shape)} (same as logp)")
-    advantages = _broadcast_advantages(advantages, shape)
+    extras = {name: x for name, x in (extras or {}).items() if x is not None}
+    for name, x in extras.items():
+        if not isinstance(x, torch.Tensor) or x.shape != shape:
+            raise ValueError(f"extra input {name!r} has shape {_describe(x)}, expected {tuple(shape)}")
+    advantages = _broadcast_advantages(advantages, shape)  # (B, T); (B, 1) when given per sequence
+    checked = [name for name in nonnegative if name in extras]
+    return (_fast_batch(logp, old_logp, advantages, mask, extras, checked)
+            or _checked_batch(logp, old_logp, advantages, mask, extras, checked))
+
+
+def _fast_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                extras: dict[str, torch.Tensor], nonnegative: list[str]) -> PolicyBatch | None:
+    """The batch, when every input is finite everywhere, the mask is 0/1 and not empty, the log-probs are <= LOGP_MAX
+    and |log w| <= LOG_RATIO_CLAMP on the valid tokens; else None. Padding is zeroed by multiplying with the mask
+    (its gradient there is exactly 0), and the clamp, a no-op on such a batch, is skipped."""
+    dtype = logp.dtype
+    weights = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(dtype)
+    logp_w = logp * weights
+    old_w = old_logp.detach().to(dtype) * weights
+    log_ratio = logp_w - old_w
+    cleaned = {name: x.to(dtype) * weights for name, x in extras.items()}
+    must_be_finite = [logp.detach().sum(), old_logp.detach().sum(), advantages.detach().sum(),
+                      *(x.detach().sum() for x in extras.values())]  # a sum is finite only if every term is
+    at_most = [(logp_w.detach().amax(), LOGP_MAX), (old_w.amax(), LOGP_MAX),
+               (log_ratio.detach().abs().amax(), LOG_RATIO_CLAMP),
+               *((-cleaned[name].detach().amin(), NONNEGATIVE_TOLERANCE) for name in nonnegative)]
+    binary = [] if mask.dtype == torch.bool else [(weights * (1 - weights)).abs().sum()]  # 0 iff every value 0 or 1
+    probe = [weights.sum(), *binary, *must_be_finite, *(value for value, _ in at_most)]
+    values = iter(torch.stack([v.to(dtype) for v in probe]).tolist())  # one device-to-host transfer
+    usable = (next(values) > 0 and all(next(values) == 0 for _ in binary)
+              and all(math.isfinite(next(values)) for _ in must_be_finite)
+              and all(next(values) <= limit for _, limit in at_most))
+    if not usable:
+        return None
+    return PolicyBatch(logp=logp_w, old_logp=old_w, advantages=advantages.detach().to(dtype) * weights, mask=weights,
+                       log_ratio=log_ratio, ratio=log_ratio.exp(), extras=cleaned)
+
+
+def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                   extras: dict[str, torch.Tensor], nonnegative: list[str]) -> PolicyBatch:
+    """The token-by-token path: raises naming the first bad value, else neutralises padding whatever it holds."""
+    valid = _as_valid_mask(mask, logp.shape)
+    advantages = advantages.expand(logp.shape)
     _check_finite("logp", logp.detach(), valid)
     _check_finite("old_logp", old_logp.detach(), valid)
     _check_finite("advantages", advantages.detach(), valid)
     for name, x in (("logp", logp), ("old_logp", old_logp)):
-        too_big = (x.detach() > 1e-3) & valid
+        too_big = (x.detach() > LOGP_MAX) & valid
         if too_big.any():
             raise ValueError(
                 f"{name} must hold log-probabilities (<= 0); found {x.detach()[too_big].max().item():.4g}. "
@@ -94,13 +149,11 @@ def make_batch(
     advantages = torch.where(valid, advantages.detach().to(logp.dtype), zero)
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     clean_extras: dict[str, torch.Tensor] = {}
-    for name, x in (extras or {}).items():
-        if x is None:
-            continue
-        if not isinstance(x, torch.Tensor) or x.shape != shape:
-            raise ValueError(f"extra input {name!r} has shape {_describe(x)}, expected {tuple(shape)}")
+    for name, x in extras.items():
         _check_finite(name, x.detach(), valid)
         clean_extras[name] = torch.where(valid, x.to(logp.dtype), zero)
+    for name in nonnegative:
+        _check_nonnegative(name, clean_extras[name], valid)
     return PolicyBatch(
         logp=logp,
         old_logp=old_logp,
@@ -112,13 +165,22 @@ def make_batch(
     )
 
 
+def _check_nonnegative(name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
+    bad = (x.detach() < -NONNEGATIVE_TOLERANCE) & valid
+    if bad.any():
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be >= 0 on every valid token; found {int(bad.sum())} negative value(s) "
+                         f"(first at index {where}: {x[where].item():.4g})")
+
+
 def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """(B, T) advantages as given, per-sequence ones as (B, 1) (they broadcast against (B, T))."""
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
     if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape[0] == shape[0]:
-        advantages = advantages[:, 0]
+        return advantages
     if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
-        return advantages.unsqueeze(1).expand(shape)
+        return advantages.unsqueeze(1)
     if advantages.shape == shape:
         return advantages
     raise ValueError(

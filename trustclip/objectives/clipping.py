@@ -36,13 +36,11 @@ def clipped_surrogate(batch: PolicyBatch, constraint: Constraint, *, general_for
     w, adv = batch.ratio, batch.advantages
     interval = None if general_form else constraint.interval(batch)
     if interval is not None:
-        low, high = (torch.as_tensor(b, dtype=w.dtype, device=w.device) for b in interval)
-        clipped_w = torch.clamp(w, min=low, max=high)
-        holds = (w >= low) & (w <= high)
-    else:
-        holds = constraint.holds(batch)
-        clipped_w = torch.where(holds, w, torch.ones_like(w))
-    loss = -torch.minimum(w * adv, clipped_w * adv)
+        low, high = interval  # low <= 1 <= high: below the region is w < low, above it w > high
+        loss = -torch.minimum(w * adv, torch.clamp(w, min=low, max=high) * adv)
+        return TokenLoss(loss=loss, clipped_low=(w < low) & (adv < 0), clipped_high=(w > high) & (adv > 0))
+    holds = constraint.holds(batch)
+    loss = -torch.minimum(w * adv, torch.where(holds, w, torch.ones_like(w)) * adv)
     return TokenLoss(
         loss=loss,
         clipped_low=~holds & (w < 1) & (adv < 0),
@@ -55,11 +53,10 @@ def apply_dual_clip(out: TokenLoss, batch: PolicyBatch, clip_ratio_c: float | No
     ratio on a bad token cannot produce an unbounded loss; those tokens get no gradient."""
     if clip_ratio_c is None:
         return out
-    adv = batch.advantages
-    cap = -clip_ratio_c * adv
-    dual = (adv < 0) & (out.loss > cap)
-    out.loss = torch.where(adv < 0, torch.minimum(out.loss, cap), out.loss)
-    out.stats["dual_clip_frac"] = dual
+    # loss = min(loss_ppo, -c A) for A < 0; for A >= 0 the cap is 0, above the PPO loss there (-A min(w, clip(w)))
+    cap = -clip_ratio_c * batch.advantages.clamp(max=0)
+    out.stats["dual_clip_frac"] = out.loss > cap
+    out.loss = torch.minimum(out.loss, cap)
     return out
 
 

@@ -12,6 +12,7 @@ TRL / verl. Write your own by subclassing `Constraint` (or pass any divergence o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +31,8 @@ class Constraint:
         raise NotImplementedError
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
-        """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval."""
+        """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval. An interval holds
+        the unchanged policy: l <= 1 <= u (floats, or (B, T) tensors)."""
         return None
 
 
@@ -65,6 +67,11 @@ class DivergenceConstraint(Constraint):
     delta: float
     bounds: tuple[float, float] | None = None
 
+    def __post_init__(self) -> None:
+        if self.bounds is not None and not self.bounds[0] <= 1 <= self.bounds[1]:
+            raise ValueError(f"{self.name}: bounds {self.bounds} must hold w = 1 (a divergence of the ratio is 0 "
+                             "there): low <= 1 <= high")
+
     def holds(self, batch: PolicyBatch) -> torch.Tensor:
         return self.divergence(batch.ratio.detach()) <= self.delta
 
@@ -73,8 +80,15 @@ class DivergenceConstraint(Constraint):
 
 
 def kl_constraint(kind: str, delta: float, **options) -> DivergenceConstraint:
-    """The paper's estimator constraints (Schulman 2020 k1/k2/k3, IS-weighted k3) with exact bounds."""
-    delta = B.check_delta(delta)
+    """The paper's estimator constraints (Schulman 2020 k1/k2/k3, IS-weighted k3) with exact bounds.
+
+    Memoised per (estimator, delta, options): an objective's bounds (a Lambert-W or root solve) are computed once,
+    not on every forward; the constraint is immutable, so sharing it is safe."""
+    return _kl_constraint(kind, B.check_delta(delta), **options)
+
+
+@functools.lru_cache(maxsize=256)
+def _kl_constraint(kind: str, delta: float, **options) -> DivergenceConstraint:
     if kind == "kl1":
         if options.get("two_sided"):
             return DivergenceConstraint("|kl1|", lambda w: w.log().abs(), delta, B.kl1_bounds(delta, True))

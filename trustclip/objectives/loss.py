@@ -7,21 +7,20 @@ import torch
 from trustclip.objectives.aggregation import aggregate, check_aggregation
 from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.registry import Objective, TokenLoss, get_objective
+from trustclip.objectives.statistics import (
+    OFFPOLICY_EPSILON,
+    PolicyMetrics,
+    offpolicy_tokens,
+    reduce_statistics,
+    token_statistics,
+)
+
+__all__ = ["OFFPOLICY_EPSILON", "compute_policy_loss", "compute_token_loss", "offpolicy_tokens", "policy_metrics"]
 
 EXTRA_INPUTS = ("entropy", "full_kl")
-# Inputs that are non-negative by definition (an entropy, a KL, a weight). Computed in float32 an exact 0 can come
-# out a hair below it, so values down to -NONNEGATIVE_TOLERANCE pass; anything lower is a bug upstream.
+# Inputs that are non-negative by definition (an entropy, a KL, a weight): checked on every valid token, with
+# `batch.NONNEGATIVE_TOLERANCE` for float32 rounding.
 NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")
-NONNEGATIVE_TOLERANCE = 1e-4
-# Objective-independent measure of how off-policy an update is: the fraction of valid tokens whose ratio left
-# PPO's default region [1 - 0.2, 1 + 0.2]. It is logged for every objective (the unconstrained control too),
-# so that "the constraint never acted" can be told apart from "the ratio never moved".
-OFFPOLICY_EPSILON = 0.2
-
-
-def offpolicy_tokens(ratio: torch.Tensor) -> torch.Tensor:
-    """Bool (B, T): |w - 1| > OFFPOLICY_EPSILON."""
-    return (ratio.detach() - 1).abs() > OFFPOLICY_EPSILON
 
 
 def compute_token_loss(
@@ -51,23 +50,11 @@ def compute_token_loss(
         )
     if token_weights is not None:
         extra = {**extra, "token_weights": token_weights}
-    batch = make_batch(logp, old_logp, advantages, mask, extra)
-    for name in NONNEGATIVE_INPUTS:
-        _check_nonnegative(name, batch.extras.get(name), batch.mask)
+    batch = make_batch(logp, old_logp, advantages, mask, extra, nonnegative=NONNEGATIVE_INPUTS)
     weights = batch.extras.pop("token_weights", None)
     out = objective(batch)
     out.loss = out.loss * batch.mask if weights is None else out.loss * batch.mask * weights.detach()
     return out, batch
-
-
-def _check_nonnegative(name: str, x: torch.Tensor | None, mask: torch.Tensor) -> None:
-    if x is None:
-        return
-    bad = (x.detach() < -NONNEGATIVE_TOLERANCE) & (mask > 0)
-    if bad.any():
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must be >= 0 on every valid token; found {int(bad.sum())} negative value(s) "
-                         f"(first at index {where}: {x[where].item():.4g})")
 
 
 def _check_global_count(name: str, value: float | None, local: float, what: str) -> None:
@@ -79,31 +66,10 @@ def _check_global_count(name: str, value: float | None, local: float, what: str)
 
 
 def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
-    """Plain-float metrics: clipped-low / clipped-high fractions of valid tokens (`clip_frac`, the fraction whose
-    gradient the constraint removed: where it is active), the fraction whose ratio left [0.8, 1.2]
-    (`offpolicy_frac`, whatever the objective), ratio mean / min / max, mean KL3 = w - 1 - log w, and the
-    objective's own statistics (masked means)."""
-    mask = batch.mask
-    n = mask.sum()
-
-    def mean(x: torch.Tensor) -> float:
-        return float((x.detach().to(mask.dtype) * mask).sum() / n)
-
-    valid = mask > 0
-    ratio = batch.ratio.detach()
-    metrics = {
-        "clip_frac_low": mean(out.clipped_low),
-        "clip_frac_high": mean(out.clipped_high),
-        "clip_frac": mean(out.clipped_low | out.clipped_high),
-        "offpolicy_frac": mean(offpolicy_tokens(ratio)),
-        "ratio_mean": mean(ratio),
-        "ratio_min": float(ratio[valid].min()),
-        "ratio_max": float(ratio[valid].max()),
-        "kl3_mean": mean(ratio - 1 - batch.log_ratio.detach()),
-    }
-    for name, value in out.stats.items():
-        metrics[name] = mean(value) if value.dim() == 2 else float(value.detach())
-    return metrics
+    """Plain-float metrics of this batch alone: the masked means of `token_statistics` (clip fractions,
+    `offpolicy_frac`, ratio mean, mean KL3, the objective's own statistics) and the ratio's min / max over the
+    valid tokens (`trustclip.objectives.statistics`)."""
+    return reduce_statistics(token_statistics(out, batch), batch.mask)[0]
 
 
 def compute_policy_loss(
@@ -120,8 +86,9 @@ def compute_policy_loss(
     num_processes: int = 1,
     token_weights: torch.Tensor | None = None,
     **extra: torch.Tensor | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss of `objective` on one batch, and its metrics.
+) -> tuple[torch.Tensor, PolicyMetrics]:
+    """Policy loss of `objective` on one batch, and its metrics (`policy_metrics`, a mapping of floats reduced when
+    first read).
 
     logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation` is one of token_mean,
     seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`). `num_tokens` / `num_sequences` are the
@@ -145,8 +112,8 @@ def compute_policy_loss(
 
     loss = aggregate(out.loss, batch.mask, aggregation, max_len=max_len, num_tokens=share(num_tokens),
                      num_sequences=share(num_sequences))
-    if aggregation == "token_mean":
+    if aggregation == "token_mean" and num_tokens is not None:
         _check_global_count("num_tokens", num_tokens, float(batch.mask.sum()), "valid tokens")
-    elif aggregation != "seq_mean_token_sum":
+    elif aggregation not in ("token_mean", "seq_mean_token_sum") and num_sequences is not None:
         _check_global_count("num_sequences", num_sequences, float(batch.mask.shape[0]), "sequences")
-    return loss, policy_metrics(out, batch)
+    return loss, PolicyMetrics(out, batch)

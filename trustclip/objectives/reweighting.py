@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from trustclip.objectives import bounds as B
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.clipping import EPS_RULE, _interval_bounds
+from trustclip.objectives.constraints import kl_constraint
 from trustclip.objectives.registry import TokenLoss, choice, number, register_objective
 
 
@@ -99,21 +99,25 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
                                      epsilon_low, high_entropy_epsilon)
         eps_low = eps_high = eps
     else:
-        eps_low, eps_high = torch.full_like(w, epsilon_low), torch.full_like(w, epsilon_high)
-    upper, lower = 1 + eps_high, 1 - eps_low
-    zero, cap = torch.zeros_like(w), torch.full_like(w, c)
-    weight_pos = torch.where(w > upper, zero, torch.where(w < 1 / c, cap, 1 / w))
-    value_pos = adv / torch.minimum(torch.maximum(w, torch.full_like(w, 1 / c)), upper)
-    weight_neg = torch.where(w < lower, zero, torch.where(w > c, cap, w))
-    value_neg = adv * torch.minimum(torch.maximum(w, lower), cap)
-    pos = adv > 0
+        eps_low, eps_high = epsilon_low, epsilon_high
+    upper, lower = 1 + eps_high, 1 - eps_low  # floats, or (B, T) tensors with entropy_split
+    pos, neg = adv > 0, adv < 0
+    above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
+    weight_pos = torch.where(above, 0.0, torch.where(tiny, c, 1 / w))
+    value_pos = adv / _at_most(w.clamp(min=1 / c), upper)
+    weight_neg = torch.where(below, 0.0, torch.where(huge, c, w))
+    value_neg = adv * _at_least(w, lower).clamp(max=c)
     loss = loss_with_weight(batch, torch.where(pos, value_pos, value_neg), torch.where(pos, weight_pos, weight_neg))
-    return TokenLoss(
-        loss,
-        clipped_low=~pos & (adv < 0) & (w < lower),
-        clipped_high=pos & (w > upper),
-        stats={"soft_clip_frac": (pos & (w < 1 / c)) | ((adv < 0) & (w > c))},
-    )
+    return TokenLoss(loss, clipped_low=neg & below, clipped_high=pos & above,
+                     stats={"soft_clip_frac": (pos & tiny) | (neg & huge)})
+
+
+def _at_most(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    return torch.minimum(x, bound) if torch.is_tensor(bound) else x.clamp(max=bound)
+
+
+def _at_least(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    return torch.maximum(x, bound) if torch.is_tensor(bound) else x.clamp(min=bound)
 
 
 def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> TokenLoss:
@@ -166,7 +170,7 @@ ATR_SEQ_DELTA = 6e-8
     summary="sequence-level ATR: KL3(s_i) = s_i - 1 - log s_i <= delta on GSPO's ratio s_i, Lambert-W bounds",
     params={"delta": number(ATR_SEQ_DELTA, low=0.0, strict_low=True,
                             doc="calibrated to GSPO's range: KL3 of a sequence ratio is ~(mean log w)^2 / 2")},
-    bounds=lambda hp: B.kl3_bounds(hp["delta"]),
+    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
 )
 def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
     """J_i = min(s_i A_i, clip(s_i, l_delta, u_delta) A_i), s_i = exp((1/L_i) sum_t log w_t), where
@@ -175,5 +179,5 @@ def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
         d J_i / d logp_it = A_i s_i / L_i   if l <= s_i <= u or (s_i - 1) A_i <= 0,   else 0.
     For small delta l, u = 1 -+ sqrt(2 delta) + 2 delta / 3 + O(delta^1.5): at GSPO's scale the region is symmetric
     to 1e-7 (u - 1 - (1 - l) = 4 delta / 3), so ATR's asymmetry does not carry over at the default delta."""
-    low, high = B.kl3_bounds(delta)
+    low, high = kl_constraint("kl3", delta).bounds  # solved once per delta (memoised)
     return sequence_clipped_surrogate(batch, low, high)

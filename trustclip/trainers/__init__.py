@@ -7,8 +7,8 @@ from typing import Any
 
 _LAZY = {
     "TrustClipGRPOTrainer": "trustclip.trainers.trl_trainer",
-    "TrustClipGRPOConfig": "trustclip.trainers.trl_trainer",
-    "on_policy_warning": "trustclip.trainers.trl_trainer",
+    "TrustClipGRPOConfig": "trustclip.trainers.trl_config",
+    "on_policy_warning": "trustclip.trainers.trl_config",
 }
 
 

@@ -18,7 +18,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_generate_and_score_completions": ("inputs",),  # drop zero-advantage rows; defer the old log-probs; rloo
     "_calculate_rewards": ("inputs", "prompts", "completions", "completion_ids_list"),  # truncated_reward
     "_prepare_inputs": ("generation_batch",),  # count the tokens of each slice of a new generation batch
-    "_compute_loss": ("model", "inputs"),  # the trustclip objective replaces TRL's loss
+    "_compute_loss": ("model", "inputs"),  # the trustclip objective's per-token loss replaces TRL's
     "_get_per_token_logps_and_entropies": (  # fused log-probs / entropies; a NaN placeholder when deferred
         "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
         "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
@@ -26,8 +26,8 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     ),
     # sample from the low-precision copy (generation_dtype)
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations"),
-    # transformers.Trainer's, also overridden by GRPOTrainer: the DeltaController's state rides with the optimizer's
-    "_save_optimizer_and_scheduler": ("output_dir",),
+    # transformers.Trainer's, also overridden by GRPOTrainer: the resolved checkpoint of a resume, where the
+    # DeltaControlCallback's state is read back
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 # TRL methods the subclass calls -> their parameters it passes.
@@ -36,7 +36,8 @@ CALLED_METHODS: dict[str, tuple[str, ...]] = {
     "get_off_policy_mask": ("advantages", "per_token_logps", "sampling_per_token_logps", "mask",
                             "off_policy_threshold"),  # off_policy_mask_threshold
 }
-# Trainer state set by GRPOTrainer.__init__ that the subclass reads (and, where noted, writes).
+# Trainer state set by GRPOTrainer.__init__ that the subclass reads (and, where noted, writes). Settings TRL copies
+# from its config are read from the config instead (CONFIG_FIELDS).
 ATTRIBUTES: dict[str, str] = {
     "model_wrapped": "the model TRL's generation samples from (the low-precision copy while generating)",
     "is_fsdp_enabled": "FSDP shards the policy (no whole weights to copy for generation_dtype)",
@@ -47,35 +48,26 @@ ATTRIBUTES: dict[str, str] = {
     "_tokenizer": "the tokenizer of the processing class (pad id of a truncated completion)",
     "eos_token_ids": "ids that end a completion (a completion without one was truncated)",
     "reward_funcs": "the reward functions (their verifier counters are logged)",
-    "num_generations": "group size G (rloo rescaling)",
-    "num_iterations": "updates per generation batch (the DeltaController's window)",
-    "max_completion_length": "L_max of the dr_grpo aggregation",
-    "temperature": "sampling temperature (truly_ppo's full-vocabulary log-probs)",
-    "beta": "KL-to-reference coefficient",
-    "use_vllm": "vLLM generation (its importance-sampling correction)",
-    "vllm_importance_sampling_correction": "whether the per-token vLLM IS weights apply",
-    "top_entropy_quantile": "high-entropy token mask",
-    "off_policy_mask_threshold": "off-policy sequence mask",
-    "aux_loss_enabled": "MoE router auxiliary loss",
+    "aux_loss_enabled": "MoE router auxiliary loss (from the model's config)",
     "router_aux_loss_coef": "its coefficient",
-    "_entropy_bonus_enabled": "entropy bonus on (static coefficient or adaptive)",
-    "use_adaptive_entropy": "adaptive entropy coefficient",
-    "entropy_coef": "entropy coefficient (written by the adaptive controller)",
-    "_last_world_entropy": "the controller's last window entropy (read and written)",
+    "entropy_coef": "entropy coefficient (written by the adaptive controller; TRL saves it)",
+    "_last_world_entropy": "the controller's last window entropy (read and written; TRL saves it)",
     "_entropy_window_stats": "the controller's running window sums (read and written)",
 }
 # Set by transformers.Trainer during train(), not at construction: checked in its source.
 TRAINING_ATTRIBUTES: dict[str, str] = {
     "current_gradient_accumulation_steps": "micro-batches in this optimizer step (normalisers)",
 }
-# GRPOConfig fields the subclass reads besides the ones it passes through.
-CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps", "use_bias_correction_kl",
-                 "entropy_target", "entropy_coef_delta", "entropy_coef_min", "entropy_coef_max",
-                 "gradient_checkpointing_kwargs", "importance_sampling_level", "scale_rewards")
-CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass reads
+# GRPOConfig fields the subclass reads besides the ones it passes through (TRL's documented configuration).
+CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulation_steps", "num_generations",
+                 "max_completion_length", "temperature", "beta", "use_bias_correction_kl", "use_vllm",
+                 "vllm_importance_sampling_correction", "top_entropy_quantile", "off_policy_mask_threshold",
+                 "entropy_coef", "use_adaptive_entropy", "entropy_target", "entropy_coef_delta", "entropy_coef_min",
+                 "entropy_coef_max", "gradient_checkpointing_kwargs", "importance_sampling_level", "scale_rewards")
+CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass (and its callback) reads
 # Module-level helpers imported from TRL's internals: module -> names.
 FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
-             "trl.trainer.utils": ("add_fused_lm_head",)}  # float32 log-probs under mixed precision
+             "trl.trainer.utils": ("add_fused_lm_head",)}  # mixed_precision.py: float32 log-probs
 
 
 def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:

@@ -1,247 +1,52 @@
-"""TRL 1.16 `GRPOTrainer` with the policy loss replaced by any trustclip objective.
+"""TRL 1.16 `GRPOTrainer` with the per-token policy loss replaced by any trustclip objective.
 
-The loss (`_compute_loss`, TRL's extension point) is replaced; generation, rewards, the fused LM-head log-prob
-path (`_get_per_token_logps_and_entropies`), reference model, PEFT, checkpointing and logging are TRL's, with
-small hooks. Every private TRL name the subclass overrides or touches is listed in `trl_surface.py` and checked
-at start-up. What the override keeps from TRL's own loss: the high-entropy token mask
-(`top_entropy_quantile`), the off-policy sequence mask (`off_policy_mask_threshold`), vLLM importance
-weights, the k3 KL to a reference model (`beta`), the entropy bonus (static or adaptive), the MoE
-auxiliary loss, and the `clip_ratio/*` / `entropy` metric names.
+TRL 1.16 computes each `loss_type`'s per-token loss inline in `_compute_loss` (no method of its own to override), so
+the subclass overrides `_compute_loss` and changes that one step: the per-token loss is the trustclip objective's,
+aggregated with exact global normalisers (each micro-batch returns its share of the optimizer step's one-big-batch
+loss; `step_counts`). The rest follows TRL's loss step by step: TRL's own methods where it has them (the fused
+log-prob path, the high-entropy and off-policy masks), TRL's formulas where they are inline (vLLM importance weights,
+the k3 KL to a reference model, the entropy bonus and its adaptive controller, whose state stays TRL's and is saved
+by TRL, the MoE auxiliary loss, the metric names); tests/test_trl_surface.py and tests/test_trainer.py check each
+against TRL's own loss, values and gradients. Every private TRL name used is listed in `trl_surface.py` and checked
+at start-up. Apart, testable without TRL: truly_ppo's full-vocabulary KL (`trustclip.objectives.full_kl`, fed with
+the model's hidden states by `full_vocab`), atr_adaptive's delta controller (`delta_control.DeltaControlCallback`),
+DAPO's zero-advantage filter (`zero_advantage`).
 
-Normalisation (the contract with `transformers.Trainer`, `loss_is_scaled_for_ga = True`): each
-micro-batch returns its share of the one-big-batch loss of the optimizer step, so that summing over
-gradient-accumulation steps and averaging over processes (DDP) gives exactly the gradient of the whole
-step's batch. Sequence aggregations divide by the step's number of sequences, `token_mean` by its number of
-valid tokens, both counted over all processes from the buffered generation batch when the accumulation
-window lies inside one generation batch (always true with TRL's default steps_per_generation). The counts
-matter with `skip_zero_advantage`, which leaves processes with micro-batches of different sizes.
-
-Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch is used for more
-than one optimizer step: `num_iterations >= 2` (mu updates per batch) or `steps_per_generation >
-gradient_accumulation_steps` (one batch split over several optimizer steps). Otherwise every clipping
-objective reduces to the plain policy gradient; the trainer warns loudly at start-up.
-
-Adaptive delta (`atr_adaptive`): a `DeltaController` moves delta once per generation batch, from the token-weighted
-mean of its statistic (`kl3_mean` or `clip_frac`, over all processes) on the batch's off-policy micro-batches (those
-after its first optimizer step; on the first the ratio is 1 and says nothing about the update). The new delta
-applies from the next generation batch, so every update of one batch uses one delta, as PPO keeps beta fixed within
-an iteration. The controller's state is saved in each checkpoint (`delta_controller.json`, written before
-`trainer_state.json`) and restored on resume; `objective/delta` and `objective/controller_<statistic>` are logged.
+Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch is used for more than one
+optimizer step: `num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`. Otherwise every
+clipping objective reduces to the plain policy gradient; the trainer warns loudly at start-up.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import add_fused_lm_head
 
 from trustclip import metric_names as names
-from trustclip.files import write_json_atomic
-from trustclip.objectives import (
-    ADVANTAGE_ESTIMATORS,
-    AGGREGATIONS,
-    Objective,
-    aggregate,
-    compute_token_loss,
-    get_objective,
-)
-from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES, controller_for
+from trustclip.objectives import Objective, aggregate, compute_token_loss, get_objective
+from trustclip.objectives.adaptive import controller_for
 from trustclip.objectives.batch import PolicyBatch
-from trustclip.objectives.loss import offpolicy_tokens
 from trustclip.objectives.registry import TokenLoss
-from trustclip.objectives.topk_kl import DEFAULT_TOPK, TopKLogProbs, exact_kl, topk_kl, topk_logprobs
-from trustclip.precision import LowPrecisionCopy
+from trustclip.objectives.statistics import reduce_statistics, token_statistics
+from trustclip.objectives.topk_kl import DEFAULT_TOPK
+from trustclip.trainers.delta_control import DeltaControlCallback
+from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion
+from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
+from trustclip.trainers.step_counts import StepCounts
+from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, on_policy_warning
 from trustclip.trainers.trl_surface import check_trl_surface
+from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
 logger = logging.getLogger(__name__)
 
-# TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
-_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
-DELTA_CONTROLLER_FILE = "delta_controller.json"  # in each checkpoint folder, for atr_adaptive
-
-# truly_ppo: what the generation batch keeps of pi_old per completion token (split per micro-batch like every (B, ...)
-# tensor), per `full_kl_storage`
-FULL_KL_STORAGES = ("hidden", "topk")
-_OLD_HIDDEN_KEYS = ("old_hidden_states",)
-_OLD_TOPK_KEYS = ("old_topk_indices", "old_topk_logps", "old_tail_logps")
 # Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
 _HEAD_CHUNK_ELEMENTS = 2**23
-GENERATION_DTYPES = ("bfloat16", "float16", "float32")
-
-
-@dataclass
-class TrustClipGRPOConfig(GRPOConfig):
-    r"""[`~trl.GRPOConfig`] plus the trustclip objective. TRL's `loss_type`, `epsilon`, `epsilon_high` and
-    `delta` are ignored: the objective and `aggregation` define the loss.
-
-    Parameters:
-        objective (`str`, defaults to `"kl3"`):
-            Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
-            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...). `atr_adaptive` moves its delta once per
-            generation batch and needs each optimizer step inside one generation batch (`steps_per_generation x
-            num_iterations` a multiple of `gradient_accumulation_steps`; TRL's defaults are).
-        objective_kwargs (`dict` or `str`, *optional*):
-            Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
-        aggregation (`str`, defaults to `"dr_grpo"`):
-            `dr_grpo` (sum / (B * L_max), Dr.GRPO), `token_mean` (DAPO), `seq_mean_token_mean` (GRPO) or
-            `seq_mean_token_sum`.
-        advantage_estimator (`str`, defaults to `"dr_grpo"`):
-            `dr_grpo` (R - group mean), `grpo` (group-standardised, TRL's `scale_rewards="group"`) or `rloo`
-            (leave-one-out baseline). Overrides `scale_rewards`.
-        max_len_normalizer (`int`, *optional*):
-            L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
-        truncated_reward (`float`, *optional*):
-            Reward of a completion that hit `max_completion_length` without an EOS (every reward function's
-            score of it is replaced). `0.0` makes an unfinished answer a wrong one, so the policy cannot drift
-            into never stopping after its answer; unlike `mask_truncated_completions` (DAPO's overlong
-            filtering) such completions still get a (negative) gradient. Default: score them as they are.
-        skip_zero_advantage (`bool`, defaults to `False`):
-            Leave completions whose advantage is exactly 0 out of the policy update: with a binary reward, every
-            group whose rewards all agree (the filter of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11,
-            without its re-sampling). They carry no policy gradient, so the update direction is unchanged
-            (beta = 0, no entropy bonus, an objective without batch statistics; Clip-Cov / KL-Cov select among
-            the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
-            batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
-            groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
-        full_kl_storage (`str`, defaults to `"hidden"`):
-            What objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep of pi_old per completion
-            token, instead of its whole log-softmax (4 V bytes per token). `"hidden"`: the final hidden state (the LM
-            head's input, 4 H bytes; plus one frozen copy of the head per generation batch when the head trains),
-            from which pi_old's logits are recomputed chunk by chunk: the KL is exact. `"topk"`: the `full_kl_topk`
-            largest log-probs plus the tail mass (8 k + 4 bytes), and the KL of the coarse-grained distributions: a
-            lower bound, low by the tail mass times the KL within the tail (`trustclip.objectives.topk_kl`); the
-            smaller when H is large and completions long.
-        full_kl_topk (`int`, defaults to `256`):
-            k of `full_kl_storage="topk"`; k >= V - 1 keeps the whole distribution (exact).
-        generation_dtype (`str`, *optional*):
-            Sample completions from a copy of the policy in this dtype (`"bfloat16"`), its LoRA adapter merged,
-            refreshed from the policy before each generation (`trustclip.precision.LowPrecisionCopy`). The
-            log-probs of the update (old and new) still come from the policy, so the ratio is unchanged; the copy
-            only decides which tokens are sampled, as vLLM does. On CPU it halves generation time
-            (`benchmarks/real_model_step.py`). Default: TRL's generation from the policy itself.
-    """
-
-    objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
-    objective_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Objective hyper-parameters (dict or JSON string), e.g. '{\"delta\": 0.07}'."}
-    )
-    aggregation: str = field(
-        default="dr_grpo", metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)}."}
-    )
-    advantage_estimator: str = field(
-        default="dr_grpo", metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)}."}
-    )
-    max_len_normalizer: int | None = field(
-        default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
-    )
-    truncated_reward: float | None = field(
-        default=None, metadata={"help": "Reward of completions cut at max_completion_length (default: as scored)."}
-    )
-    skip_zero_advantage: bool = field(
-        default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
-                                         "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
-    )
-    full_kl_storage: str = field(
-        default="hidden", metadata={"help": "truly_ppo: what is kept of pi_old per token for the full-vocabulary KL: "
-                                            "'hidden' (final hidden state; exact KL) or 'topk' (top-k + tail mass)."}
-    )
-    full_kl_topk: int = field(
-        default=DEFAULT_TOPK, metadata={"help": "k of full_kl_storage='topk' (old-policy tokens kept per position; "
-                                                ">= V - 1 is exact)."}
-    )
-    generation_dtype: str | None = field(
-        default=None, metadata={"help": "Sample from a merged copy of the policy in this dtype (bfloat16, float16 or "
-                                        "float32), refreshed before each generation (default: the policy itself)."}
-    )
-
-    def __post_init__(self) -> None:
-        if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
-            self.bf16 = False  # TRL defaults to bf16, which raises on a CPU-only machine
-        if isinstance(self.objective_kwargs, str):
-            try:
-                self.objective_kwargs = json.loads(self.objective_kwargs) if self.objective_kwargs.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"objective_kwargs={self.objective_kwargs!r} is not valid JSON: {err}") from None
-        self.objective_kwargs = dict(self.objective_kwargs or {})
-        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
-            get_objective(self.objective, **self.objective_kwargs)
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={self.aggregation!r} is invalid; valid: {', '.join(AGGREGATIONS)}")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} is invalid; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
-            )
-        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
-            raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
-        if self.full_kl_storage not in FULL_KL_STORAGES:
-            raise ValueError(f"full_kl_storage={self.full_kl_storage!r} is invalid; valid: "
-                             f"{', '.join(FULL_KL_STORAGES)}")
-        if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
-            raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
-        if self.generation_dtype is not None and self.generation_dtype not in GENERATION_DTYPES:
-            raise ValueError(f"generation_dtype={self.generation_dtype!r} is invalid; valid: "
-                             f"{', '.join(GENERATION_DTYPES)} (or None)")
-        if self.generation_dtype is not None and self.use_vllm:
-            raise ValueError("generation_dtype samples from a copy of the policy in this process; with use_vllm=True "
-                             "vLLM samples: leave generation_dtype unset")
-        if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
-            raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
-        if self.importance_sampling_level != "token":
-            raise ValueError(
-                f"importance_sampling_level={self.importance_sampling_level!r}: sequence-level ratios are an objective "
-                "in trustclip; use objective='gspo' with importance_sampling_level='token'"
-            )
-        self.scale_rewards = _SCALE_REWARDS[self.advantage_estimator]
-        super().__post_init__()
-        generate_every = self.steps_per_generation * self.num_iterations
-        if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
-            # processes then hold different numbers of rows, and only whole windows have exact counts
-            raise ValueError(
-                f"skip_zero_advantage needs each optimizer step inside one generation batch: steps_per_generation="
-                f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
-            )
-        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
-            if message:
-                raise ValueError(message)
-
-
-def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
-    """Why an adaptive objective cannot run with these batch settings, or None."""
-    generate_every = args.steps_per_generation * args.num_iterations
-    if objective not in ADAPTIVE_OBJECTIVES or generate_every % args.gradient_accumulation_steps == 0:
-        return None
-    return (f"objective {objective!r} moves delta once per generation batch and needs each optimizer step inside one "
-            f"generation batch: steps_per_generation={args.steps_per_generation} x num_iterations="
-            f"{args.num_iterations} must be a multiple of gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}")
-
-
-def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
-    """The start-up warning when every update is on-policy (w == 1 identically), else None."""
-    generate_every = args.steps_per_generation * args.num_iterations
-    if args.gradient_accumulation_steps % generate_every != 0:
-        return None
-    return (
-        f"num_iterations={args.num_iterations} and steps_per_generation={args.steps_per_generation} <= "
-        f"gradient_accumulation_steps={args.gradient_accumulation_steps}: each generation batch is used for exactly "
-        f"one optimizer step, so the importance ratio w = pi/pi_old is identically 1 and the constraint of objective "
-        f"{objective!r} NEVER binds (no token is clipped; the update is the plain policy gradient). For off-policy "
-        "updates where the objective matters, set num_iterations >= 2 (reuse each batch for several updates) or "
-        "steps_per_generation > gradient_accumulation_steps (split one batch over several optimizer steps)."
-    )
 
 
 class TrustClipGRPOTrainer(GRPOTrainer):
@@ -268,62 +73,46 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 raise ValueError("with a plain GRPOConfig pass objective=NAME (or use TrustClipGRPOConfig)")
             spec, hparams, max_len = objective, {}, None
             self.aggregation, self.advantage_estimator = "dr_grpo", None
-        self.objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
-        message = delta_control_error(args, self.objective.name)
+        self._objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
+        message = delta_control_error(args, self._objective.name)
         if message:
             raise ValueError(message)
-        self.delta_controller = controller_for(self.objective)  # atr_adaptive's state; None for other objectives
-        self._delta_window = (0.0, 0.0)  # (statistic x tokens, tokens) of this generation batch's off-policy updates
+        self.delta_controller = controller_for(self._objective)  # atr_adaptive's state; None for other objectives
+        self._delta_callback = None if self.delta_controller is None else DeltaControlCallback(
+            self.delta_controller, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            generate_every=args.steps_per_generation * args.num_iterations)
+        if self._delta_callback is not None:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
-        self._old_heads: dict[str, Any] = {}  # truly_ppo with hidden-state storage: pi_old's LM head per mode
         super().__init__(model, reward_funcs, args, **kwargs)
         check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
-            self._float32_lm_head()
-        self._sampler = self._low_precision_sampler(args)
-        self.max_len_normalizer = max_len or self.max_completion_length
-        # Exact per-step token counts need each accumulation window inside one generation batch.
-        self._exact_window = (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0
-        self._slice_counts: list[tuple[float, float]] | None = None  # (valid tokens, sequences) per buffered slice
+            float32_lm_head(self)  # the log-probs, and so the ratio, in float32
+        self._sampler = low_precision_sampler(self)  # generation_dtype's copy of the policy, or None
+        self.max_len_normalizer = max_len or args.max_completion_length
+        self._step_counts = StepCounts(  # the exact normalisers of each optimizer step
+            steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations,
+            gradient_accumulation_steps=args.gradient_accumulation_steps)
         self._buffer_seen = None
         self.skip_zero_advantage = bool(getattr(args, "skip_zero_advantage", False))
-        message = on_policy_warning(args, self.objective.name)
+        self._full_vocab = FullVocabForward(  # truly_ppo's forward, and pi_old's LM head
+            getattr(args, "full_kl_storage", "hidden"), getattr(args, "full_kl_topk", DEFAULT_TOPK), args.temperature,
+            self.accelerator.unwrap_model, self.accelerator.autocast)
+        message = on_policy_warning(args, self._objective.name)
         if message:
             bar = "!" * 100
             logger.warning("\n%s\ntrustclip WARNING: %s\n%s", bar, message, bar)
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    def _float32_lm_head(self) -> None:
-        """Under mixed precision, the log-probs (and so the ratio the constraint acts on) in float32: TRL's fused LM
-        head multiplies in the autocast dtype (trl/kernels/chunked_logprob.py:330) unless it is added with
-        `cast_lm_head_to_fp32`, which runs it outside autocast. TRL's own `cast_lm_head_to_fp32=True` also re-types
-        the head module, which fails for a PEFT model with tied embeddings (grpo_trainer.py:1043), so the fused head
-        is added again here, around TRL's (whose unfused forward, used by `generate`, it calls unchanged)."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=True,
-                          outputs=("log_probs", "entropy"))
+    @property
+    def objective(self) -> Objective:
+        """The objective of the next update (atr_adaptive: at the controller's current delta)."""
+        return self._objective if self.delta_controller is None else self.delta_controller.objective
 
     # ------------------------------------------------------------------ generation side
-    def _low_precision_sampler(self, args: GRPOConfig) -> LowPrecisionCopy | None:
-        dtype = getattr(args, "generation_dtype", None)
-        if dtype is None:
-            return None
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # a sharded policy has no whole weights to copy
-            raise ValueError("generation_dtype needs the whole policy in each process; it does not combine with "
-                             "FSDP or DeepSpeed: leave it unset")
-        return LowPrecisionCopy(self.model, getattr(torch, dtype))
-
     def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's generation, from the low-precision copy (refreshed with the current weights) when there is one:
-        TRL's generation path samples from `model_wrapped`, which is the copy for the duration of the call."""
-        if self._sampler is None:
+        with sampling_copy(self):  # generation_dtype: TRL samples from the refreshed low-precision copy
             return super()._generate_single_turn(*args, **kwargs)
-        policy = self.model_wrapped
-        self.model_wrapped = self._sampler.refresh(self.accelerator.unwrap_model(self.model))
-        try:
-            return super()._generate_single_turn(*args, **kwargs)
-        finally:
-            self.model_wrapped = policy
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         skip = self.skip_zero_advantage and self.model.training
@@ -332,16 +121,17 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         # batch is deferred until after the drop. truly_ppo's old pass (below) yields them too. Only when it is the
         # sole scoring forward (no reference model, no vLLM importance-sampling correction, which uses them before
         # the rewards).
-        deferred = (skip or full_kl) and self.beta == 0.0 and not (
-            self.use_vllm and self.vllm_importance_sampling_correction)
+        deferred = (skip or full_kl) and self.args.beta == 0.0 and not (
+            self.args.use_vllm and self.args.vllm_importance_sampling_correction)
         self._defer_old_logps = deferred
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._defer_old_logps = False
-        if self.advantage_estimator == "rloo" and self.num_generations > 1:
+        group = self.args.num_generations
+        if self.advantage_estimator == "rloo" and group > 1:
             # R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R); TRL produced the latter (scale_rewards=none)
-            output["advantages"] = output["advantages"] * (self.num_generations / (self.num_generations - 1))
+            output["advantages"] = output["advantages"] * (group / (group - 1))
         if skip:
             output = self.drop_zero_advantage(output)
         if full_kl and "old_per_token_logps" in output:
@@ -363,37 +153,14 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             return self._completion_logps(self.model, output, batch_size=chunk)[0]
 
     def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
-        """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`).
-
-        The batch is later split into `steps_per_generation` equal slices, so the kept count is rounded up to a
-        multiple of it with zero-advantage rows (at most steps_per_generation - 1; they add nothing to the
-        gradient). `num_items_in_batch` becomes the kept valid tokens of all processes.
-        """
-        if any(key in output for key in _MULTIMODAL_KEYS):
-            raise ValueError("skip_zero_advantage does not support multimodal inputs (their image tensors are not "
-                             "split per completion); turn it off")
-        advantages = output["advantages"]
-        informative = advantages.ne(0) if advantages.dim() == 1 else advantages.ne(0).any(dim=1)
-        rows = informative.nonzero().flatten()
-        spg, size = self.args.steps_per_generation, advantages.size(0)
-        wanted = min(size, max(spg, math.ceil(rows.numel() / spg) * spg))
-        if wanted > rows.numel():
-            fillers = (~informative).nonzero().flatten()[: wanted - rows.numel()]
-            rows = torch.cat([rows, fillers]).sort().values
-        kept = {}
-        for key, value in output.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == size:
-                kept[key] = value[rows]
-            elif isinstance(value, list) and len(value) == size:
-                kept[key] = [value[i] for i in rows.tolist()]
-            else:
-                kept[key] = value
-        sizes = torch.tensor([rows.numel(), size], dtype=torch.float, device=advantages.device)
-        counts = torch.cat([_loss_mask(kept).sum().float().reshape(1), sizes])  # on device: one sync, after reduce
-        tokens, n_kept, n_all = self.accelerator.reduce(counts, reduction="sum").tolist()
-        kept["num_items_in_batch"] = torch.tensor(tokens, device=advantages.device)
-        self._metrics["train"][names.KEPT_FRACTION].append(n_kept / max(n_all, 1.0))
+        """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`; see
+        `trustclip.trainers.zero_advantage`), counted over every process; logs the kept fraction."""
+        kept, fraction = drop_zero_advantage(output, self.args.steps_per_generation, self._sum_over_processes)
+        self._metrics["train"][names.KEPT_FRACTION].append(fraction)
         return kept
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -409,7 +176,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             mode = "train" if self.model.training else "eval"
             keys = [k for k in (names.REWARD_TIMEOUTS, names.REWARD_ERRORS) if k in counters]
             local = torch.tensor([counters[k] for k in keys], dtype=torch.float32, device=self.accelerator.device)
-            for key, total in zip(keys, self.accelerator.reduce(local, reduction="sum").tolist(), strict=True):
+            for key, total in zip(keys, self._sum_over_processes(local).tolist(), strict=True):
                 self._metrics[mode][key].append(total)
         return rewards
 
@@ -421,13 +188,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return inputs
 
     def count_slices(self, slices: list[dict[str, Any]]) -> None:
-        """Record the valid tokens and the sequences of each slice of a new generation batch, summed over processes
-        (one collective per generation); an optimizer step divides by the counts of its slices (`token_mean`:
-        tokens; the sequence aggregations: sequences, which differ between processes with `skip_zero_advantage`)."""
-        tokens = torch.stack([_loss_mask(b).sum() for b in slices]).float()  # stays on device: one sync, below
-        sequences = torch.tensor([float(b["completion_ids"].size(0)) for b in slices], device=tokens.device)
-        totals = self.accelerator.reduce(torch.stack([tokens, sequences], dim=1), reduction="sum")
-        self._slice_counts = [tuple(c) for c in totals.tolist()]
+        """Record the valid tokens and sequences of each slice of a new generation batch, over every process."""
+        self._step_counts.count(slices, self._sum_over_processes)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -439,33 +201,32 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return self._compute_loss(model, inputs)
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss step with the trustclip objective's per-token loss (module docstring)."""
         mode = "train" if self.model.training else "eval"
-        mask = _loss_mask(inputs)
+        mask = loss_mask(inputs)
         logps, entropies, aux_loss, extras = self._policy_forward(model, inputs)
         has_tokens = bool(mask.any())
         # A micro-batch with no valid token (e.g. all completions truncated and masked) still runs the same
         # code and collectives, with one dummy token of weight 0, so the loss and gradient are exactly zero.
-        safe_mask = mask if has_tokens else _one_token_mask(mask)
         weights, entropy_mask = self._token_weights(inputs, logps, entropies, mask)
-        if not has_tokens:
-            weights = torch.zeros_like(logps)
         out, batch = compute_token_loss(
             self.objective, logp=logps, old_logp=inputs.get("old_per_token_logps"), advantages=inputs["advantages"],
-            mask=safe_mask, token_weights=weights, **extras,
+            mask=mask if has_tokens else _one_token_mask(mask),
+            token_weights=weights if has_tokens else torch.zeros_like(logps), **extras,
         )
-        per_token_loss = out.loss
-        per_token_kl = None
-        if self.beta != 0.0:
+        per_token_loss, per_token_kl = out.loss, None
+        if self.args.beta != 0.0:
             per_token_kl = self._reference_kl(inputs, logps, batch)
-            per_token_loss = per_token_loss + self.beta * per_token_kl * batch.mask * (1.0 if has_tokens else 0.0)
+            per_token_loss = per_token_loss + self.args.beta * per_token_kl * batch.mask * (1.0 if has_tokens else 0.0)
         loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=self.max_len_normalizer,
                          **self._denominators(inputs, mode))
         # Per-micro-batch policy loss before the accumulation / process split (TRL's `policy_loss`).
         policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
         values, tokens = self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl,
                                                      policy_loss)
-        if self.delta_controller is not None and mode == "train":
-            self._control_delta(values, tokens)
+        if self._delta_callback is not None and mode == "train":
+            for key, value in self._delta_callback.record(values, tokens, self._step).items():
+                self._metrics[mode][key].append(value)
         loss = loss + self._entropy_bonus(entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
@@ -482,17 +243,18 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _completion_logps(self, model: Any, inputs: dict[str, Any], **kwargs: Any):
         """TRL's fused (log-probs, entropies, aux loss) of the completions in `inputs` under `model`."""
-        input_ids, attention_mask = _prompt_and_completion(inputs)
+        input_ids, attention_mask = prompt_and_completion(inputs)
         return self._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, inputs["completion_ids"].size(1),
-            **{k: inputs.get(k) for k in _MULTIMODAL_KEYS}, **kwargs,
+            **{k: inputs.get(k) for k in MULTIMODAL_KEYS}, **kwargs,
         )
 
     def _policy_forward(self, model: Any, inputs: dict[str, Any]):
         """(logps, entropies, aux_loss, extras) of the current policy on the completions."""
         extras: dict[str, torch.Tensor] = {}
         if "full_kl" in self.objective.requires:
-            old = {key: inputs[key] for key in self._old_keys()} if self._old_keys()[0] in inputs else None
+            keys = self._full_vocab.keys
+            old = {key: inputs[key] for key in keys} if keys[0] in inputs else None
             logps, entropies, kl = self._full_vocab_forward(model, inputs, old=old)
             # KL(pi_old(.|s) || pi(.|s)) per position; zero when on-policy (pi_old == pi).
             extras["full_kl"] = torch.zeros_like(logps) if kl is None else kl
@@ -504,128 +266,30 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             extras["entropy"] = entropies.detach()
         return logps, entropies, aux_loss, extras
 
-    # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
-    def _old_keys(self) -> tuple[str, ...]:
-        """Keys of what the generation batch keeps of pi_old per completion token (split per micro-batch by TRL)."""
-        return _OLD_TOPK_KEYS if getattr(self.args, "full_kl_storage", "hidden") == "topk" else _OLD_HIDDEN_KEYS
-
-    def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """pi_old's log-probs of the completions and what the loss needs of its full distribution per position (no
-        gradient; `full_kl_storage`), in the same micro-batch forwards as `_old_logps`. With the hidden states, pi_old's
-        LM head is kept too: the live one when it is frozen (LoRA), else a frozen copy."""
-        chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
-        logps, stored = [], []
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            for rows in _row_slices(output, chunk):
-                logp, _, kept = self._full_vocab_forward(self.model, rows, keep=True)
-                logps.append(logp)
-                stored.append(kept)
-        if self._old_keys() == _OLD_HIDDEN_KEYS:
-            head = self._output_head(self.model)
-            trains = any(p.requires_grad for p in head.parameters())
-            self._old_heads["train" if self.model.training else "eval"] = (
-                copy.deepcopy(head).requires_grad_(False) if trains else head)
-        return torch.cat(logps), {key: torch.cat([s[key] for s in stored]) for key in self._old_keys()}
-
-    def _full_vocab_forward(self, model: Any, inputs: dict[str, Any], *, old: dict[str, torch.Tensor] | None = None,
-                            keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Per completion token, at the sampling temperature: log-prob, entropy, and a third item: with `old` (what
-        `_old_policy` kept) KL(pi_old || pi) per token; with `keep` what to keep of this policy (a dict); else None.
-        The LM head runs on chunks of positions under activation checkpointing, so no (B, T, V) tensor exists in the
-        forward or the backward; pi_old's logits are recomputed per chunk from its hidden states (exact), or its
-        top-k summary gives KL_k (`trustclip.objectives.topk_kl`)."""
-        hidden, head = self._completion_hidden_states(model, inputs)
-        batch, length = hidden.shape[:2]
-        topk = self._old_keys() == _OLD_TOPK_KEYS
-        k = getattr(self.args, "full_kl_topk", DEFAULT_TOPK)
-        old_head = self._old_heads.get("train" if self.model.training else "eval")
-
-        def score(h: torch.Tensor, target: torch.Tensor, *old_chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            logprobs = torch.log_softmax(head(h).float() / self.temperature, dim=-1)  # (chunk, V)
-            logp = logprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-            entropy = -(logprobs.exp() * logprobs).sum(-1)
-            if not old_chunk:
-                return (logp, entropy, *topk_logprobs(logprobs.detach(), k)) if keep and topk else (logp, entropy)
-            if topk:  # KL_k from pi_old's top-k log-probs and tail mass
-                indices, top, tail = old_chunk
-                return logp, entropy, topk_kl(TopKLogProbs(indices.long(), top, tail), logprobs)
-            with torch.no_grad():  # pi_old's logits from its final hidden states, through its LM head: the exact KL
-                old_logprobs = torch.log_softmax(old_head(old_chunk[0]).float() / self.temperature, dim=-1)
-            return logp, entropy, exact_kl(old_logprobs, logprobs)
-
-        flat = [hidden, inputs["completion_ids"], *(old[key] for key in self._old_keys())] if old else [
-            hidden, inputs["completion_ids"]]
-        flat = [x.reshape(batch * length, *x.shape[2:]) for x in flat]
-        chunk = max(1, _HEAD_CHUNK_ELEMENTS // head.weight.size(0))
-        outputs = []
-        for start in range(0, batch * length, chunk):
-            args = [x[start:start + chunk] for x in flat]
-            if torch.is_grad_enabled():  # recompute the chunk's logits in the backward instead of keeping them
-                outputs.append(torch.utils.checkpoint.checkpoint(score, *args, use_reentrant=False))
-            else:
-                outputs.append(score(*args))
-        logps, entropies, *rest = [torch.cat(c).reshape(batch, length, *c[0].shape[1:])
-                                   for c in zip(*outputs, strict=True)]
-        if keep and topk:
-            return logps, entropies, dict(zip(_OLD_TOPK_KEYS, [rest[0].to(torch.int32), *rest[1:]], strict=True))
-        if keep:
-            return logps, entropies, {_OLD_HIDDEN_KEYS[0]: hidden.detach()}
-        return logps, entropies, rest[0] if rest else None
-
-    def _causal_lm(self, model: Any) -> Any:
-        """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
-        causal_lm = self.accelerator.unwrap_model(model)
-        return causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-
-    def _output_head(self, model: Any) -> Any:
-        return self._causal_lm(model).get_output_embeddings()
-
-    def _completion_hidden_states(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        """The final hidden states that predict the completion tokens (B, T, H), and the LM head. The model is
-        called as a whole (DDP / PEFT wrappers see their forward) with `logits_to_keep=1`; a hook on its backbone
-        catches the hidden states."""
-        causal_lm = self._causal_lm(model)
-        config = causal_lm.config.get_text_config()
-        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", 1.0) not in (None, 1.0):
-            raise ValueError("truly_ppo's chunked full-vocabulary KL supports plain LM heads (no logit softcapping or "
-                             f"scaling); model {config.model_type!r} has them")
-        captured: list[torch.Tensor] = []
-        hook = causal_lm.base_model.register_forward_hook(lambda _module, _args, out: captured.append(out[0]))
-        input_ids, attention_mask = _prompt_and_completion(inputs)
-        try:
-            with self.accelerator.autocast():
-                model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False)
-        finally:
-            hook.remove()
-        n = inputs["completion_ids"].size(1)
-        return captured[-1][:, -n - 1:-1], causal_lm.get_output_embeddings()
-
     def _token_weights(self, inputs: dict[str, Any], logps: torch.Tensor, entropies: torch.Tensor,
                        mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Product of TRL's per-token gates (entropy mask, off-policy sequence mask, vLLM IS weights) or None,
         and the entropy mask alone (the entropy bonus acts on it, as in TRL)."""
-        weights = entropy_mask = None
-
-        def times(w: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-            x = x.to(logps.dtype).expand_as(logps)
-            return x if w is None else w * x
-
-        if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile).to(mask.dtype)
-            weights = times(weights, entropy_mask)
-        if self.off_policy_mask_threshold is not None:
+        gates, entropy_mask = [], None
+        if self.args.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.args.top_entropy_quantile)
+            gates.append(entropy_mask.to(mask.dtype))
+        if self.args.off_policy_mask_threshold is not None:
             old = inputs.get("old_per_token_logps")
             old = logps.detach() if old is None else old
             advantages = inputs["advantages"]
-            opsm = self.get_off_policy_mask(
+            gates.append(self.get_off_policy_mask(
                 advantages=advantages.unsqueeze(1) if advantages.dim() == 1 else advantages,
                 per_token_logps=logps, sampling_per_token_logps=inputs.get("sampling_per_token_logps", old),
-                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
-            )
-            weights = times(weights, opsm)
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            weights = times(weights, inputs["importance_sampling_ratio"])
-        return weights, entropy_mask
+                mask=mask, off_policy_threshold=self.args.off_policy_mask_threshold,
+            ))
+        if self.args.use_vllm and self.args.vllm_importance_sampling_correction:
+            gates.append(inputs["importance_sampling_ratio"])
+        weights = None
+        for gate in gates:
+            gate = gate.to(logps.dtype).expand_as(logps)
+            weights = gate if weights is None else weights * gate
+        return weights, None if entropy_mask is None else entropy_mask.to(mask.dtype)
 
     def _reference_kl(self, inputs: dict[str, Any], logps: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
         """k3 estimate of KL(pi || pi_ref) per token, as TRL (optionally IS-corrected)."""
@@ -639,41 +303,23 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return self.current_gradient_accumulation_steps if mode == "train" else 1
 
     def _denominators(self, inputs: dict[str, Any], mode: str) -> dict[str, float]:
-        """Global denominators of this micro-batch's optimizer step, per process (DDP averages over processes)."""
-        processes = self.accelerator.num_processes
-        window = self._window_counts(mode)
-        if window is None:  # eval (the whole batch), or a window spanning two generation batches: TRL's estimate
-            share = self._accumulation(mode) / self.args.steps_per_generation if mode == "train" else 1.0
-            window = (float(inputs["num_items_in_batch"]) * share,
-                      inputs["completion_ids"].size(0) * self._accumulation(mode) * processes)  # equal micro-batches
-        tokens, sequences = window
-        if self.aggregation == "token_mean":
-            return {"num_tokens": max(tokens, 1.0) / processes}
-        return {"num_sequences": max(sequences, 1.0) / processes}
-
-    def _window_counts(self, mode: str) -> tuple[float, float] | None:
-        """(valid tokens, sequences) of the whole optimizer step, all processes, when the step's accumulation window
-        lies inside one generation batch; else None."""
-        ga, spg = self.current_gradient_accumulation_steps, self.args.steps_per_generation
-        if (mode != "train" or not self._exact_window or self._slice_counts is None
-                or ga != self.args.gradient_accumulation_steps):
-            return None
-        start = (self._step // ga) * ga
-        window = [self._slice_counts[s % spg] for s in range(start, start + ga)]
-        return sum(t for t, _ in window), sum(n for _, n in window)
+        """Global denominators of this micro-batch's optimizer step, per process (`step_counts.StepCounts`)."""
+        return self._step_counts.denominators(self.aggregation, inputs, micro_step=self._step, training=mode == "train",
+                                              accumulation=self._accumulation(mode),
+                                              processes=self.accelerator.num_processes)
 
     def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor | float:
-        """-coef * mean entropy over the tokens the loss acts on, with TRL's adaptive controller."""
-        if not self._entropy_bonus_enabled:
+        """-coef * mean entropy over the tokens the loss acts on, with TRL's adaptive controller (TRL's formulas, and
+        its state: TRL saves it with each checkpoint)."""
+        if not (self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy):
             return 0.0
         mask = mask.to(entropies.dtype)
         entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / self._accumulation(mode)
-        if self.use_adaptive_entropy:
-            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        coef = self.entropy_coef
+        if self.args.use_adaptive_entropy:
+            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
             if mode == "train":
                 self._update_adaptive_entropy(entropies, mask)
-        else:
-            coef = self.entropy_coef
         if mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return -coef * entropy
@@ -683,7 +329,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
         if not self.accelerator.sync_gradients:
             return
-        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        totals = self._sum_over_processes(self._entropy_window_stats)
         world = (totals[0] / totals[1].clamp(min=1.0)).item()
         step = self.args.entropy_coef_delta
         if world <= self.args.entropy_target:
@@ -693,98 +339,51 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._last_world_entropy = world
         self._entropy_window_stats = None
 
-    # ------------------------------------------------------------------ adaptive delta
-    def _control_delta(self, values: dict[str, float], tokens: float) -> None:
-        """Feed the DeltaController this micro-batch's global statistic; at the last micro-batch of a generation
-        batch, move delta from the token-weighted mean over the batch's off-policy micro-batches. Every process
-        sees the same global values, so every process moves delta alike."""
-        ga = self.args.gradient_accumulation_steps
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        position = self._step % generate_every  # micro-batch index within this generation batch (TRL's counter)
-        key = self.delta_controller.target
-        self._metrics["train"][names.objective_name("delta")].append(self.delta_controller.delta)  # this update's
-        if position >= ga:  # an optimizer step has passed since the batch was generated: the ratio measures it
-            total, count = self._delta_window
-            self._delta_window = (total + values[key] * tokens, count + tokens)
-        if position == generate_every - 1:
-            total, count = self._delta_window
-            self._delta_window = (0.0, 0.0)
-            if count > 0:
-                self.delta_controller.update({key: total / count})
-                self.objective = self.delta_controller.objective
-                self._metrics["train"][names.objective_name(f"controller_{key}")].append(total / count)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # Written with the optimizer, i.e. before trainer_state.json: a checkpoint complete enough to resume has it.
-        super()._save_optimizer_and_scheduler(output_dir)
-        if self.delta_controller is not None and self.args.should_save:
-            write_json_atomic(Path(output_dir) / DELTA_CONTROLLER_FILE, self.delta_controller.state_dict())
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self.delta_controller is None or checkpoint is None:
-            return
-        path = Path(checkpoint) / DELTA_CONTROLLER_FILE
-        if not path.is_file():
-            raise ValueError(f"cannot resume {self.objective.name} from {checkpoint}: it has no "
-                             f"{DELTA_CONTROLLER_FILE} (not written by an atr_adaptive run), so its delta is unknown")
-        self.delta_controller.load_state_dict(json.loads(path.read_text()))
-        self.objective = self.delta_controller.objective
-
-    # ------------------------------------------------------------------ metrics
     def _log_objective_metrics(self, mode: str, out: TokenLoss, batch: PolicyBatch, mask: torch.Tensor,
                                entropies: torch.Tensor, per_token_kl: torch.Tensor | None,
                                policy_loss: torch.Tensor) -> tuple[dict[str, float], float]:
-        """Token-weighted global means (two collectives): clip fractions, ratio, KL3, entropy, objective stats,
-        and the policy loss (mean over processes). Returns them with the global number of valid tokens."""
-        ratio = batch.ratio.detach()
-        series = {
-            "clip_frac_low": out.clipped_low,
-            "clip_frac_high": out.clipped_high,
-            "clip_frac": out.clipped_low | out.clipped_high,
-            "offpolicy_frac": offpolicy_tokens(ratio),
-            "ratio_mean": ratio,
-            "kl3_mean": ratio - 1 - batch.log_ratio.detach(),
-            names.ENTROPY: entropies.detach(),
-        }
+        """The objective's statistics (`trustclip.objectives.statistics`) plus the entropy, the reference KL and the
+        policy loss, as token-weighted means over every process (one all-reduce, one all-gather). Returns them with
+        the global number of valid tokens."""
+        stats = token_statistics(out, batch)
+        stats.means[names.ENTROPY] = entropies.detach()
         if per_token_kl is not None:
-            series[names.KL_REF] = per_token_kl.detach()
-        scalars = {names.POLICY_LOSS: policy_loss}
-        for key, value in out.stats.items():
-            (series if value.dim() == 2 else scalars)[key] = value
-        n_proc = self.accelerator.num_processes
-        local = [(x.to(mask.dtype) * mask).sum() for x in series.values()]
-        local += [s.detach().to(mask.dtype).reshape(()) / n_proc for s in scalars.values()] + [mask.sum()]
-        totals = self.accelerator.reduce(torch.stack(local), reduction="sum").tolist()
-        count = max(totals[-1], 1.0)
-        valid = mask > 0
-        extremes = torch.stack([
-            torch.where(valid, ratio, torch.full_like(ratio, -float("inf"))).max(),
-            -torch.where(valid, ratio, torch.full_like(ratio, float("inf"))).min(),
-        ])
-        ratio_max, neg_min = self.accelerator.gather(extremes).view(-1, 2).max(dim=0).values.tolist()
-        values = {key: totals[i] / count for i, key in enumerate(series)}
-        values |= {key: totals[len(series) + i] for i, key in enumerate(scalars)}
-        values |= {"ratio_max": ratio_max, "ratio_min": -neg_min}
+            stats.means[names.KL_REF] = per_token_kl.detach()
+        stats.scalars[names.POLICY_LOSS] = policy_loss
+        values, tokens = reduce_statistics(
+            stats, mask, sum_over_processes=self._sum_over_processes, num_processes=self.accelerator.num_processes,
+            max_over_processes=lambda extremes: self.accelerator.gather(extremes).view(-1, 2).max(dim=0).values)
         for key, value in values.items():
-            if key in (names.ENTROPY, names.KL_REF, names.POLICY_LOSS):
-                self._metrics[mode][key].append(value)
-                continue
-            for name in names.logged_names(key):
+            trl_level = key in (names.ENTROPY, names.KL_REF, names.POLICY_LOSS)  # logged under TRL's names only
+            for name in [key] if trl_level else names.logged_names(key):
                 self._metrics[mode][name].append(value)
-        return values, totals[-1]
+        return values, tokens
 
+    # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
+    def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """pi_old's log-probs of the completions and what the loss needs of its full distribution per position (no
+        gradient; `full_kl_storage`), in the same micro-batch forwards as `_old_logps`."""
+        chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
+        logps, stored = [], []
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for rows in _row_slices(output, chunk):
+                logp, _, kept = self._full_vocab_forward(self.model, rows, keep=True)
+                logps.append(logp)
+                stored.append(kept)
+        self._full_vocab.keep_head(self.model, "train" if self.model.training else "eval")
+        return torch.cat(logps), {key: torch.cat([s[key] for s in stored]) for key in self._full_vocab.keys}
 
-def _prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input ids, attention mask) of prompt and completion side by side, as the policy reads them."""
-    return (torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+    def _full_vocab_forward(self, model: Any, inputs: dict[str, Any], *, old: dict[str, torch.Tensor] | None = None,
+                            keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(log-prob, entropy, KL to `old` / what to `keep` / None) per completion token (`full_vocab`)."""
+        return self._full_vocab(model, inputs, old=old, keep=keep, mode="train" if self.model.training else "eval",
+                                chunk_elements=_HEAD_CHUNK_ELEMENTS)
 
-
-_MULTIMODAL_KEYS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-)
+    # ------------------------------------------------------------------ atr_adaptive: resume
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self._delta_callback is not None and checkpoint is not None:
+            self._delta_callback.load(checkpoint, self._objective.name)
 
 
 def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
@@ -792,11 +391,6 @@ def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
     keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
     total = inputs["completion_ids"].size(0)
     return [{key: inputs[key][start:start + size] for key in keys} for start in range(0, total, size)]
-
-
-def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
-    mask = inputs["completion_mask"]
-    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
 
 
 def _one_token_mask(mask: torch.Tensor) -> torch.Tensor:

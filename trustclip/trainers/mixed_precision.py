@@ -1,0 +1,55 @@
+"""The trainer's two mixed-precision pieces (`trustclip.precision`), apart from the TRL subclass.
+
+- `float32_lm_head`: under autocast, the log-probs (and so the ratio the constraint acts on) in float32.
+- `low_precision_sampler`: the merged low-precision copy of the policy that TRL's generation samples from
+  (`TrustClipGRPOConfig.generation_dtype`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from trl.trainer.utils import add_fused_lm_head
+
+from trustclip.precision import LowPrecisionCopy
+
+
+def float32_lm_head(trainer: Any) -> None:
+    """TRL's fused LM head multiplies in the autocast dtype (trl/kernels/chunked_logprob.py:330) unless it is added
+    with `cast_lm_head_to_fp32`, which runs it outside autocast. TRL's own `cast_lm_head_to_fp32=True` also re-types
+    the head module, which fails for a PEFT model with tied embeddings (grpo_trainer.py:1043), so the fused head is
+    added again here, around TRL's (whose unfused forward, used by `generate`, it calls unchanged)."""
+    model = trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    add_fused_lm_head(base, temperature=trainer.args.temperature, cast_lm_head_to_fp32=True,
+                      outputs=("log_probs", "entropy"))
+
+
+def low_precision_sampler(trainer: Any) -> LowPrecisionCopy | None:
+    """The copy to sample from (`generation_dtype`), or None: TRL samples from the policy itself."""
+    dtype = getattr(trainer.args, "generation_dtype", None)
+    if dtype is None:
+        return None
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:  # a sharded policy has no whole weights to copy
+        raise ValueError("generation_dtype needs the whole policy in each process; it does not combine with FSDP or "
+                         "DeepSpeed: leave it unset")
+    return LowPrecisionCopy(trainer.model, getattr(torch, dtype))
+
+
+@contextmanager
+def sampling_copy(trainer: Any) -> Iterator[None]:
+    """While TRL generates, its `model_wrapped` (what TRL's generation samples from) is the trainer's low-precision
+    copy, refreshed with the policy's current weights; without a copy, nothing changes."""
+    sampler = trainer._sampler
+    if sampler is None:
+        yield
+        return
+    policy = trainer.model_wrapped
+    trainer.model_wrapped = sampler.refresh(trainer.accelerator.unwrap_model(trainer.model))
+    try:
+        yield
+    finally:
+        trainer.model_wrapped = policy

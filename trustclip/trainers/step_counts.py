@@ -1,0 +1,57 @@
+"""Exact global normalisers of an optimizer step, for a trainer that splits generation batches into micro-batches.
+
+The contract with `transformers.Trainer` (`loss_is_scaled_for_ga = True`): each micro-batch returns its share of the
+one-big-batch loss of the optimizer step, so that summing over gradient-accumulation steps and averaging over
+processes (DDP) gives exactly the gradient of the whole step's batch. Sequence aggregations divide by the step's
+number of sequences, `token_mean` by its number of valid tokens, both counted over all processes from the buffered
+generation batch when the accumulation window lies inside one generation batch (always true with TRL's default
+steps_per_generation); otherwise TRL's estimate is used. The counts matter with `skip_zero_advantage`, which leaves
+processes with micro-batches of different sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trustclip.trainers.zero_advantage import loss_mask
+
+
+class StepCounts:
+    """(valid tokens, sequences) of each slice of the current generation batch, summed over processes."""
+
+    def __init__(self, *, steps_per_generation: int, gradient_accumulation_steps: int, num_iterations: int) -> None:
+        self.steps_per_generation, self.accumulation = steps_per_generation, gradient_accumulation_steps
+        # exact per-step counts need each accumulation window inside one generation batch
+        self.exact = (steps_per_generation * num_iterations) % gradient_accumulation_steps == 0
+        self.slices: list[tuple[float, float]] | None = None
+
+    def count(self, slices: list[dict[str, Any]], sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Record the slices of a new generation batch (one collective per generation batch)."""
+        tokens = torch.stack([loss_mask(b).sum() for b in slices]).float()  # stays on device: one sync, below
+        sequences = torch.tensor([float(b["completion_ids"].size(0)) for b in slices], device=tokens.device)
+        self.slices = [tuple(c) for c in sum_over_processes(torch.stack([tokens, sequences], dim=1)).tolist()]
+
+    def window(self, micro_step: int, accumulation: int) -> tuple[float, float] | None:
+        """(valid tokens, sequences) of the optimizer step of training micro-batch `micro_step`, every process, when
+        its accumulation window lies inside one generation batch; else None."""
+        if not self.exact or self.slices is None or accumulation != self.accumulation:
+            return None
+        start = (micro_step // accumulation) * accumulation
+        window = [self.slices[s % self.steps_per_generation] for s in range(start, start + accumulation)]
+        return sum(t for t, _ in window), sum(n for _, n in window)
+
+    def denominators(self, aggregation: str, inputs: dict[str, Any], *, micro_step: int, accumulation: int,
+                     training: bool, processes: int) -> dict[str, float]:
+        """`num_tokens` (token_mean) or `num_sequences` of this micro-batch's optimizer step, per process."""
+        window = self.window(micro_step, accumulation) if training else None
+        if window is None:  # eval (the whole batch), or a window spanning two generation batches: TRL's estimate
+            share = accumulation / self.steps_per_generation if training else 1.0
+            window = (float(inputs["num_items_in_batch"]) * share,
+                      inputs["completion_ids"].size(0) * accumulation * processes)  # equal micro-batches
+        tokens, sequences = window
+        if aggregation == "token_mean":
+            return {"num_tokens": max(tokens, 1.0) / processes}
+        return {"num_sequences": max(sequences, 1.0) / processes}

@@ -1,0 +1,186 @@
+"""`TrustClipGRPOConfig`: TRL's `GRPOConfig` plus the trustclip objective (as TRL keeps `grpo_config.py` apart from
+`grpo_trainer.py`), and the batch-setting checks the trainer shares with it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
+from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+from trustclip.objectives.topk_kl import DEFAULT_TOPK
+
+# TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
+_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+# truly_ppo: what the generation batch keeps of pi_old per completion token, per `full_kl_storage`
+FULL_KL_STORAGES = ("hidden", "topk")
+GENERATION_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class TrustClipGRPOConfig(GRPOConfig):
+    r"""[`~trl.GRPOConfig`] plus the trustclip objective. TRL's `loss_type`, `epsilon`, `epsilon_high` and
+    `delta` are ignored: the objective and `aggregation` define the loss.
+
+    Parameters:
+        objective (`str`, defaults to `"kl3"`):
+            Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
+            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...). `atr_adaptive` moves its delta once per
+            generation batch and needs each optimizer step inside one generation batch (`steps_per_generation x
+            num_iterations` a multiple of `gradient_accumulation_steps`; TRL's defaults are).
+        objective_kwargs (`dict` or `str`, *optional*):
+            Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
+        aggregation (`str`, defaults to `"dr_grpo"`):
+            `dr_grpo` (sum / (B * L_max), Dr.GRPO), `token_mean` (DAPO), `seq_mean_token_mean` (GRPO) or
+            `seq_mean_token_sum`.
+        advantage_estimator (`str`, defaults to `"dr_grpo"`):
+            `dr_grpo` (R - group mean), `grpo` (group-standardised, TRL's `scale_rewards="group"`) or `rloo`
+            (leave-one-out baseline). Overrides `scale_rewards`.
+        max_len_normalizer (`int`, *optional*):
+            L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
+        truncated_reward (`float`, *optional*):
+            Reward of a completion that hit `max_completion_length` without an EOS (every reward function's
+            score of it is replaced). `0.0` makes an unfinished answer a wrong one, so the policy cannot drift
+            into never stopping after its answer; unlike `mask_truncated_completions` (DAPO's overlong
+            filtering) such completions still get a (negative) gradient. Default: score them as they are.
+        skip_zero_advantage (`bool`, defaults to `False`):
+            Leave completions whose advantage is exactly 0 out of the policy update: with a binary reward, every
+            group whose rewards all agree (the filter of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11,
+            without its re-sampling). They carry no policy gradient, so the update direction is unchanged
+            (beta = 0, no entropy bonus, an objective without batch statistics; Clip-Cov / KL-Cov select among
+            the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
+            batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
+            groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
+        full_kl_storage (`str`, defaults to `"hidden"`):
+            What objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep of pi_old per completion
+            token, instead of its whole log-softmax (4 V bytes per token). `"hidden"`: the final hidden state (the LM
+            head's input, 4 H bytes; plus one frozen copy of the head per generation batch when the head trains),
+            from which pi_old's logits are recomputed chunk by chunk: the KL is exact. `"topk"`: the `full_kl_topk`
+            largest log-probs plus the tail mass (8 k + 4 bytes), and the KL of the coarse-grained distributions: a
+            lower bound, low by the tail mass times the KL within the tail (`trustclip.objectives.topk_kl`); the
+            smaller when H is large and completions long.
+        full_kl_topk (`int`, defaults to `256`):
+            k of `full_kl_storage="topk"`; k >= V - 1 keeps the whole distribution (exact).
+        generation_dtype (`str`, *optional*):
+            Sample completions from a copy of the policy in this dtype (`"bfloat16"`), its LoRA adapter merged,
+            refreshed from the policy before each generation (`trustclip.precision.LowPrecisionCopy`). The
+            log-probs of the update (old and new) still come from the policy, so the ratio is unchanged; the copy
+            only decides which tokens are sampled, as vLLM does. Pays on CPU (`benchmarks/real_model_step.py`).
+            Default: TRL's generation from the policy itself.
+    """
+
+    objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
+    objective_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Objective hyper-parameters (dict or JSON string), e.g. '{\"delta\": 0.07}'."}
+    )
+    aggregation: str = field(
+        default="dr_grpo", metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)}."}
+    )
+    advantage_estimator: str = field(
+        default="dr_grpo", metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)}."}
+    )
+    max_len_normalizer: int | None = field(
+        default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
+    )
+    truncated_reward: float | None = field(
+        default=None, metadata={"help": "Reward of completions cut at max_completion_length (default: as scored)."}
+    )
+    skip_zero_advantage: bool = field(
+        default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
+                                         "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
+    )
+    full_kl_storage: str = field(
+        default="hidden", metadata={"help": "truly_ppo: what is kept of pi_old per token for the full-vocabulary KL: "
+                                            "'hidden' (final hidden state; exact KL) or 'topk' (top-k + tail mass)."}
+    )
+    full_kl_topk: int = field(
+        default=DEFAULT_TOPK, metadata={"help": "k of full_kl_storage='topk' (old-policy tokens kept per position; "
+                                                ">= V - 1 is exact)."}
+    )
+    generation_dtype: str | None = field(
+        default=None, metadata={"help": "Sample from a merged copy of the policy in this dtype (bfloat16, float16 or "
+                                        "float32), refreshed before each generation (default: the policy itself)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
+            self.bf16 = False  # TRL defaults to bf16, which raises on a CPU-only machine
+        if isinstance(self.objective_kwargs, str):
+            try:
+                self.objective_kwargs = json.loads(self.objective_kwargs) if self.objective_kwargs.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"objective_kwargs={self.objective_kwargs!r} is not valid JSON: {err}") from None
+        self.objective_kwargs = dict(self.objective_kwargs or {})
+        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+            # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
+            get_objective(self.objective, **self.objective_kwargs)
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r} is invalid; valid: {', '.join(AGGREGATIONS)}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator={self.advantage_estimator!r} is invalid; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
+            )
+        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
+            raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
+        if self.full_kl_storage not in FULL_KL_STORAGES:
+            raise ValueError(f"full_kl_storage={self.full_kl_storage!r} is invalid; valid: "
+                             f"{', '.join(FULL_KL_STORAGES)}")
+        if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
+            raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
+        if self.generation_dtype is not None and self.generation_dtype not in GENERATION_DTYPES:
+            raise ValueError(f"generation_dtype={self.generation_dtype!r} is invalid; valid: "
+                             f"{', '.join(GENERATION_DTYPES)} (or None)")
+        if self.generation_dtype is not None and self.use_vllm:
+            raise ValueError("generation_dtype samples from a copy of the policy in this process; with use_vllm=True "
+                             "vLLM samples: leave generation_dtype unset")
+        if self.max_len_normalizer is not None and self.max_len_normalizer < 1:
+            raise ValueError(f"max_len_normalizer={self.max_len_normalizer} must be a positive integer")
+        if self.importance_sampling_level != "token":
+            raise ValueError(
+                f"importance_sampling_level={self.importance_sampling_level!r}: sequence-level ratios are an objective "
+                "in trustclip; use objective='gspo' with importance_sampling_level='token'"
+            )
+        self.scale_rewards = _SCALE_REWARDS[self.advantage_estimator]
+        super().__post_init__()
+        generate_every = self.steps_per_generation * self.num_iterations
+        if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
+            # processes then hold different numbers of rows, and only whole windows have exact counts
+            raise ValueError(
+                f"skip_zero_advantage needs each optimizer step inside one generation batch: steps_per_generation="
+                f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
+            )
+        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+            message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
+            if message:
+                raise ValueError(message)
+
+
+def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
+    """Why an adaptive objective cannot run with these batch settings, or None."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    if objective not in ADAPTIVE_OBJECTIVES or generate_every % args.gradient_accumulation_steps == 0:
+        return None
+    return (f"objective {objective!r} moves delta once per generation batch and needs each optimizer step inside one "
+            f"generation batch: steps_per_generation={args.steps_per_generation} x num_iterations="
+            f"{args.num_iterations} must be a multiple of gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps}")
+
+
+def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
+    """The start-up warning when every update is on-policy (w == 1 identically), else None."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    if args.gradient_accumulation_steps % generate_every != 0:
+        return None
+    return (
+        f"num_iterations={args.num_iterations} and steps_per_generation={args.steps_per_generation} <= "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps}: each generation batch is used for exactly "
+        f"one optimizer step, so the importance ratio w = pi/pi_old is identically 1 and the constraint of objective "
+        f"{objective!r} NEVER binds (no token is clipped; the update is the plain policy gradient). For off-policy "
+        "updates where the objective matters, set num_iterations >= 2 (reuse each batch for several updates) or "
+        "steps_per_generation > gradient_accumulation_steps (split one batch over several optimizer steps)."
+    )
