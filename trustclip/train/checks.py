@@ -151,8 +151,10 @@ def check_source(source: str, option: str) -> None:
     _check_hub_id(source, option, "dataset")
 
 
-def check_benchmarks(specs: list[str]) -> None:
-    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2), with distinct names."""
+def check_benchmarks(specs: list[str], config: TrainConfig | None = None) -> None:
+    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2[&FIELD=...]), with distinct names.
+    A filter is applied to the rows of a local file (and, given `config`, of a built-in split) here, so that a value
+    no row has fails now, not after SFT."""
     names: list[str] = []
     for spec in specs:
         try:
@@ -162,9 +164,34 @@ def check_benchmarks(specs: list[str]) -> None:
         for bench in benches:
             check_source(bench.source, f"data.eval ({spec})")
             names.append(bench.name)
+            if bench.filters:
+                _check_filter(bench, config)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")
+
+
+def _check_filter(bench: Any, config: TrainConfig | None) -> None:
+    """The rows a benchmark's filter keeps, from a local file or (with `config`) a built-in split; hub datasets are
+    filtered when they are loaded."""
+    from trustclip.data.loaders import load_prompts, select_rows
+
+    try:
+        if bench.source.startswith(BUILTIN_PREFIX):
+            if config is None:
+                return
+            from trustclip.train.data import load_rows
+
+            rows = load_rows(bench.source, config, split=config.data.eval_split)
+        elif Path(bench.source).expanduser().is_file():
+            keys = {} if config is None else {"problem_key": config.data.problem_key,
+                                              "answer_key": config.data.answer_key}
+            rows = load_prompts(Path(bench.source).expanduser(), **keys)
+        else:
+            return
+        select_rows(rows, bench)
+    except ValueError as err:  # a DataFormatError too
+        raise ValueError(f"data.eval: {err}") from None
 
 
 def check_objective(config: TrainConfig) -> None:
