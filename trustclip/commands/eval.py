@@ -113,9 +113,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[str]]:
     """The run's TrainConfig (or the declared defaults) with the flags given here on top, and notes on what
     differs from the run."""
-    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted, yaml_load
+    from trustclip.train.config import TrainConfig, from_dict, get_dotted, read_run_config, set_dotted
 
-    base = yaml_load((run / "config.yaml").read_text(encoding="utf-8")) if run is not None else {}
+    base = read_run_config(run / "config.yaml", "--run") if run is not None else {}
     data = from_dict(TrainConfig, base).to_dict()
     given = {key: getattr(args, key) for key, _ in SETTINGS.values() if getattr(args, key) is not None}
     if args.benchmark:

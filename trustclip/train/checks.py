@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trustclip.data.loaders import BUILTIN_PREFIX, parse_benchmark_spec
-from trustclip.train.config import TrainConfig, changed_settings, get_dotted, yaml_load
+from trustclip.files import read_json
+from trustclip.train.config import TrainConfig, changed_settings, get_dotted, read_run_config
 
 
 def check_run(config: TrainConfig) -> None:
@@ -65,7 +66,11 @@ def check_output_dir(config: TrainConfig) -> None:
     saved = out / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"resume: {out} holds no run to resume ({saved} is missing)")
-    data = yaml_load(saved.read_text(encoding="utf-8"))
+    data = read_run_config(saved, "resume")
+    state = out / "state.json"
+    if state.is_file() and not isinstance(read_json(state), dict):
+        raise ValueError(f"resume: {state} (which stages finished) is not readable JSON; restore it, or delete it to "
+                         "redo every stage of the run")
     changed = changed_settings(config, data)
     if changed:
         now, before = config.to_dict(), data
