@@ -37,12 +37,14 @@ def check_run(config: TrainConfig) -> None:
     if "rl" in stages:
         check_source(config.data.train, "data.train")
     if evaluates:
-        check_benchmarks(config.data.eval)
+        check_benchmarks(config.data.eval, config)
+        check_evaluation(config)
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
             _trl_check("sft", lambda: _stages().sft_config(config, Path(scratch)))
         if "rl" in stages:
             check_objective(config)
+            check_trl_kwargs(config)
             _trl_check("rl", lambda: _stages().grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
@@ -215,6 +217,31 @@ def check_objective(config: TrainConfig) -> None:
     if r.advantage_estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"rl.advantage_estimator={r.advantage_estimator!r} is invalid: must be one of "
                          f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+
+
+def check_trl_kwargs(config: TrainConfig) -> None:
+    """rl.trl_kwargs holds none of TRL's loss options: the rl section's objective, aggregation and advantage
+    estimator replace TRL's loss, so each is refused with the rl settings that compute what it means in TRL."""
+    from trustclip.trainers.trl_options import OPTIONS, spelled, translate
+
+    given = {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}
+    if not given:
+        return
+    try:
+        equivalent = translate(given)
+    except ValueError as err:
+        raise ValueError(f"rl.trl_kwargs: {err}") from None
+    raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
+                     f"replaces; set {equivalent.as_settings('rl.')} instead")
+
+
+def check_evaluation(config: TrainConfig) -> None:
+    """`trustclip train` evaluates the model in memory with HF generate: eval.backend=vllm (which `trustclip eval`
+    honours) would be ignored here, so it is refused."""
+    if config.eval.backend == "vllm":
+        raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; set "
+                         "eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval --backend "
+                         "vllm --model RUN/rl/final`")
 
 
 def _trl_check(section: str, build: Any) -> None:
