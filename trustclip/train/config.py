@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 
 from trustclip.evaluation.evaluator import EvalArgs
+from trustclip.models import TinyModelConfig
 from trustclip.rewards import DEFAULT_TIMEOUT
 
 STAGES = ("sft", "rl", "eval")
@@ -65,8 +66,10 @@ class ModelArgs:
     name_or_path: StrictStr = _f("builtin:tiny", "Hub id, local checkpoint, or `builtin:tiny` (cached tiny Qwen3).")
     dtype: StrictStr = _f("auto", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
     trust_remote_code: StrictBool = _f(False, "Passed to from_pretrained.")
-    tiny: dict[str, Any] = _f({"num_layers": 2}, "Shape of builtin:tiny (build_tiny_model kwargs, e.g. "
-                              "{hidden_size: 128}); each shape is built once and cached.")
+    # builtin:tiny's own layer count, stated (a run's config records it; compare fingerprints hash it)
+    tiny: dict[str, Any] = _f({"num_layers": TinyModelConfig.num_layers}, "Shape of builtin:tiny (build_tiny_model "
+                              "kwargs, e.g. {hidden_size: 128}; unset keys: builtin:tiny's own shape); each shape is "
+                              "built once and cached.")
     lora: StrictBool = _f(False, "Train a LoRA adapter (peft) instead of all weights, in SFT and RL.")
     lora_r: StrictInt = _f(32, "LoRA rank.")
     lora_alpha: StrictInt = _f(64, "LoRA alpha.")
