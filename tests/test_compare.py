@@ -232,6 +232,7 @@ def test_bad_input_is_a_clear_error(tmp_path, call, message):
                                                                              "sweepable setting"),
     (lambda p: parse_sweep("rl.objective_kwargs.delta=0.1,0.2"), "swept by its name: --sweep delta=..."),
     (lambda p: parse_sweep("seed=1,2"), "seed is not a sweepable setting; give the seeds with --seeds"),
+    (lambda p: parse_sweep("objective=clip,kl3"), "objective is not a sweepable setting; list the objectives"),
     (lambda p: parse_sweep("output_dir=a,b"), "output_dir is not a sweepable setting"),
 ])
 def test_issue27_item14_a_setting_compare_sets_itself_is_not_sweepable(tmp_path, call, message):

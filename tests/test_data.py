@@ -236,6 +236,7 @@ def test_issue27_item5_benchmark_filters_compare_json_values_over_several_fields
     assert {r["flag"] for r in load_benchmark_specs([f"x={path}?flag=true"])["x"]} == {True}
     assert {r["tag"] for r in load_benchmark_specs([f'x={path}?tag="1"'])["x"]} == {"1"}  # the string "1"
     assert {r["tag"] for r in load_benchmark_specs([f"x={path}?tag=a %26 b"])["x"]} == {"a & b"}
+    assert [r["answer"] for r in load_benchmark_specs([f"x={path}?answer=3,5"])["x"]] == ["3", "5"]  # loaded as text
 
 
 @pytest.mark.parametrize(("query", "message"), [

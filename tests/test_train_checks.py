@@ -115,6 +115,16 @@ ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print
     "item8 liger": (["--set", "rl.trl_kwargs={use_liger_kernel: true}"],
                     "use_liger_kernel=True needs the liger_kernel package"),
     "item8 vllm": (["--set", "rl.trl_kwargs={use_vllm: true}"], "use_vllm=True needs the vllm package"),
+    "item8 deepspeed": (["--set", "rl.trl_kwargs={deepspeed: {zero_optimization: {stage: 2}}}"],
+                        "rl.trl_kwargs: a package is missing"),
+    "item8 optimizer package": (["--set", "rl.trl_kwargs={optim: adamw_bnb_8bit}"], "optim='adamw_bnb_8bit'"),
+    "item1 reward_weights": (["--set", "rl.trl_kwargs={reward_weights: [1.0, 2.0]}"],
+                             "rl.trl_kwargs.reward_weights=[1.0, 2.0]: trustclip train has one reward function"),
+    "item1 chat_template_kwargs": (["--set", "rl.trl_kwargs={chat_template_kwargs: {enable_thinking: false}}"],
+                                   "the RL prompts are written before TRL sees them"),
+    "item1 TRL's eval loop": (["--set", "rl.trl_kwargs={eval_strategy: steps, eval_steps: 5}"],
+                              "rl.trl_kwargs.eval_strategy='steps': trustclip train evaluates the held-out benchmarks "
+                              "with rl.eval_every"),
     "item11 corrupt config.yaml": (["--resume", "--output-dir", "{corrupt}"],
                                    "{corrupt}/config.yaml is not a readable run configuration"),
     "item11 config.yaml not a mapping": (["--resume", "--output-dir", "{listed}"],
@@ -126,7 +136,9 @@ ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print
 @pytest.mark.parametrize("case", list(ISSUE27_TRAIN))
 def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
     """Issue 27's late or silent train inputs: one line naming the value, before any work, also --print-config."""
-    if case == "item8 liger" and _installed("liger_kernel") or case == "item8 vllm" and _installed("vllm"):
+    needs = {"item8 liger": "liger_kernel", "item8 vllm": "vllm", "item8 deepspeed": "deepspeed",
+             "item8 optimizer package": "bitsandbytes"}
+    if case in needs and _installed(needs[case]):
         pytest.skip("the package is installed here")
     levels = tmp_path / "levels.jsonl"
     levels.write_text("".join(json.dumps({"problem": f"p{i}", "answer": "1", "level": 1 + i % 2}) + "\n"

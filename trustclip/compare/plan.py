@@ -317,6 +317,7 @@ def parse_sweep(text: str | None) -> Sweep | None:
 # Settings --sweep cannot vary, and what varies them.
 NOT_SWEEPABLE = {
     "rl.objective": "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])",
+    "objective": "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])",
     "rl.objective_kwargs": "sweep one hyper-parameter by its name (--sweep delta=0.05,0.1), or list variants "
                            "NAME[KEY=V] in --objectives",
     "seed": "give the seeds with --seeds / --seed-list",

@@ -35,6 +35,7 @@ from typing import Any
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 FILE_SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet"}
 BUILTIN_PREFIX = "builtin:"
+TEXT_FIELDS = ("id", "problem", "answer")  # fields every loaded row holds as text
 DAPO_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the "
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -151,6 +152,14 @@ def _same_value(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _matches(key: str, row_value: Any, wanted: Any) -> bool:
+    """A row's field equals a filter value as JSON values; the fields the loader turns into text (id, problem,
+    answer: a source's 7 is "7") also match a number by its text."""
+    if key in TEXT_FIELDS and isinstance(row_value, str) and not isinstance(wanted, str):
+        return row_value == json.dumps(wanted)
+    return _same_value(row_value, wanted)
+
+
 def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[str, Any]]:
     """The rows a spec's filters keep (every row without one). A field no row has, a listed value no row has, or a
     combination that keeps no row is a ValueError naming it."""
@@ -163,13 +172,13 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
             fields = ", ".join(sorted(rows[0])) if rows else "none"
             raise ValueError(f"benchmark spec {spec!r}: no row has a field {key!r} (fields: {fields})")
         present = {json.dumps(r[key]): r[key] for r in rows if key in r}
-        missing = [v for v in values if not any(_same_value(v, p) for p in present.values())]
+        missing = [v for v in values if not any(_matches(key, p, v) for p in present.values())]
         if missing:
             shown = ", ".join(sorted(present)[:20]) + (", ..." if len(present) > 20 else "")
             raise ValueError(f"benchmark spec {spec!r}: no row has {key} in {json.dumps(missing)} (values of {key}: "
                              f"{shown}); drop the value or fix its spelling (a string that looks like a number is "
                              'written in quotes, e.g. "1")')
-        kept = [r for r in kept if key in r and any(_same_value(r[key], v) for v in values)]
+        kept = [r for r in kept if key in r and any(_matches(key, r[key], v) for v in values)]
     if not kept:
         raise ValueError(f"benchmark spec {spec!r}: no row matches every filter at once")
     return kept

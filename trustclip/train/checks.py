@@ -224,6 +224,13 @@ def check_trl_kwargs(config: TrainConfig) -> None:
     estimator replace TRL's loss, so each is refused with the rl settings that compute what it means in TRL."""
     from trustclip.trainers.trl_options import OPTIONS, spelled, translate
 
+    for key, value in config.rl.trl_kwargs.items():
+        if key in NOT_APPLICABLE_HERE and value != NOT_APPLICABLE_HERE[key][0]:
+            raise ValueError(f"rl.trl_kwargs.{key}={value!r}: {NOT_APPLICABLE_HERE[key][1]}")
+    weights = config.rl.trl_kwargs.get("reward_weights")
+    if weights is not None and not (isinstance(weights, list) and len(weights) == 1):
+        raise ValueError(f"rl.trl_kwargs.reward_weights={weights!r}: trustclip train has one reward function (the "
+                         "verified answer), so give one weight, or none")
     given = {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}
     if not given:
         return
@@ -233,6 +240,18 @@ def check_trl_kwargs(config: TrainConfig) -> None:
         raise ValueError(f"rl.trl_kwargs: {err}") from None
     raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
                      f"replaces; set {equivalent.as_settings('rl.')} instead")
+
+
+# TRL options that trustclip train's pipeline leaves without effect, or that fail only when RL starts: (the value that
+# changes nothing, what to use instead).
+NOT_APPLICABLE_HERE = {
+    "chat_template_kwargs": (None, "the RL prompts are written before TRL sees them (data.prompt_style, "
+                                   "data.system_prompt), so TRL's chat template options would be ignored"),
+    "eval_strategy": ("no", "trustclip train evaluates the held-out benchmarks with rl.eval_every (TRL's own eval "
+                            "loop has no eval dataset here)"),
+    "do_eval": (False, "trustclip train evaluates the held-out benchmarks with rl.eval_every"),
+    "resume_from_checkpoint": (None, "continue a run with --resume (its own config.yaml and last checkpoint)"),
+}
 
 
 def check_evaluation(config: TrainConfig) -> None:
@@ -249,6 +268,8 @@ def _trl_check(section: str, build: Any) -> None:
         build()
     except TypeError as err:  # an unknown keyword: from rl.trl_kwargs
         raise ValueError(f"{section}.trl_kwargs: {err}") from None
+    except ImportError as err:  # e.g. a deepspeed config without deepspeed
+        raise ValueError(f"{section}.trl_kwargs: a package is missing: {' '.join(str(err).split())}") from None
     except ValueError as err:
         raise ValueError(f"{section} (as TRL checks it): {err}") from None
 

@@ -313,6 +313,9 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
         if getattr(args, option, False) and importlib.util.find_spec(module) is None:
             raise ValueError(f"{option}=True needs the {module} package, which is not installed: pip install "
                              f"{package}, or set {option}=False")
+    if args.use_vllm and args.vllm_mode == "colocate" and not torch.cuda.is_available():
+        raise ValueError("use_vllm=True with vllm_mode='colocate' needs a CUDA GPU, and this machine has none; set "
+                         "use_vllm=False (or vllm_mode='server' with a vLLM server)")
     try:
         from transformers import Trainer
 
