@@ -152,7 +152,7 @@ def test_a_swept_value_that_changes_nothing_reuses_the_unswept_run(tmp_path):
     assert at_default.run_dir == plain["atr/seed0"].run_dir
     assert at_default.fingerprint() == plain["atr/seed0"].fingerprint()
     moved = next(r for r in swept if r.group == "atr_delta=0.05")
-    assert moved.run_dir.parent.name == "atr_delta=0.05" and moved.fingerprint() != at_default.fingerprint()
+    assert moved.run_dir.parent.name == "kl3_delta=0.05" and moved.fingerprint() != at_default.fingerprint()
     lr = plan_runs(["clip"], [0], tmp_path, overrides=["rl.learning_rate=2e-4"],
                    sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
     assert [r.run_dir.parent.name for r in lr] == ["clip_rl.learning_rate=0.0001", "clip"]
@@ -173,15 +173,13 @@ def test_variants_of_one_objective_are_groups_of_their_own(tmp_path):
     labels = parse_objectives(TABLE3)
     identity = f"clip_higher[epsilon_low={1 - L3!r},epsilon_high={U3 - 1!r}]"
     assert labels == ["clip", "clip[epsilon=0.329]", "clip[epsilon=0.422]", "clip_higher", identity, "atr"]
-    runs = plan_runs(labels, [0], tmp_path, hparams=parse_hparams(["clip_higher.epsilon_high=0.3"], labels),
-                     share_sft=False)
+    runs = plan_runs(labels, [0], tmp_path, share_sft=False)
     assert [r.group for r in runs] == labels
-    assert [r.run_dir.parent.name for r in runs] == [
+    assert [r.run_dir.parent.name for r in runs] == [  # from the settings: atr is kl3, at its default delta
         "clip", "clip_epsilon=0.329", "clip_epsilon=0.422", "clip_higher",
-        f"clip_higher_epsilon_low={1 - L3!r}_epsilon_high={U3 - 1!r}", "atr"]
+        f"clip_higher_epsilon_low={1 - L3!r}_epsilon_high={U3 - 1!r}", "kl3"]
     assert [r.hparams.get("epsilon") for r in runs[:3]] == [0.2, 0.329, 0.422]
-    # --hparam sets clip_higher's epsilon_high; the variant's own values take precedence
-    assert runs[3].hparams == {"epsilon_low": 0.2, "epsilon_high": 0.3}
+    assert runs[3].hparams == {"epsilon_low": 0.2, "epsilon_high": 0.28}
     assert runs[4].hparams == {"epsilon_low": 1 - L3, "epsilon_high": U3 - 1}  # full precision
     assert len({r.fingerprint() for r in runs}) == 6
     group = [(r.group, r.label, r.objective) for r in runs]
@@ -227,6 +225,36 @@ def test_bad_input_is_a_clear_error(tmp_path, call, message):
         call(tmp_path)
 
 
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda p: parse_sweep("rl.objective=clip,kl3"), "rl.objective is not a sweepable setting; list the objectives "
+                                                     "with --objectives"),
+    (lambda p: parse_sweep("rl.objective_kwargs={delta: 0.1},{delta: 0.2}"), "rl.objective_kwargs is not a "
+                                                                             "sweepable setting"),
+    (lambda p: parse_sweep("rl.objective_kwargs.delta=0.1,0.2"), "swept by its name: --sweep delta=..."),
+    (lambda p: parse_sweep("seed=1,2"), "seed is not a sweepable setting; give the seeds with --seeds"),
+    (lambda p: parse_sweep("objective=clip,kl3"), "objective is not a sweepable setting; list the objectives"),
+    (lambda p: parse_sweep("output_dir=a,b"), "output_dir is not a sweepable setting"),
+])
+def test_issue27_item14_a_setting_compare_sets_itself_is_not_sweepable(tmp_path, call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(tmp_path)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda p: plan_runs(["clip[epsilon=0.3]"], [0], p, hparams=parse_hparams(["clip.epsilon=0.4"], ["clip"])),
+     "--hparam clip.epsilon=0.4 and the variant 'clip[epsilon=0.3]' both set epsilon"),
+    (lambda p: plan_runs(["clip", "clip[epsilon=0.3]"], [0], p,
+                         hparams=parse_hparams(["clip.epsilon=0.4"], ["clip", "clip[epsilon=0.3]"])),
+     "both set epsilon"),
+    (lambda p: plan_runs(["atr"], [0], p, hparams=parse_hparams(["atr.delta=0.2"], ["atr"]),
+                         sweep=parse_sweep("delta=0.1,0.3")), "--hparam atr.delta=0.2 and --sweep delta both set"),
+    (lambda p: parse_hparams(["clip.epsilon=0.3", "clip.epsilon=0.4"], ["clip"]), "clip.epsilon is given twice"),
+])
+def test_issue27_item15_a_hyper_parameter_set_twice_is_refused(tmp_path, call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(tmp_path)
+
+
 def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     code = cli_main(["compare", "--objectives", "clip,bogus", "--output-dir", str(tmp_path)])
     assert code == 2
@@ -237,6 +265,24 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert "--seeds change(s) the experiment: give --objectives too" in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--dry-run"]) == 0
     assert "clip/seed0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--run-timeout", "-5"], "--run-timeout -5.0 is invalid: give a number of seconds > 0"),
+    (["--run-timeout", "0"], "--run-timeout 0.0 is invalid"),
+    (["--run-timeout", "nan"], "--run-timeout nan is invalid"),
+    (["--progress-every", "0"], "--progress-every 0.0 is invalid"),
+    (["--sweep", "rl.objective=clip,kl3"], "rl.objective is not a sweepable setting; list the objectives with "
+                                           "--objectives"),
+    (["--objectives", "clip[epsilon=0.3]", "--hparam", "clip.epsilon=0.4"], "both set epsilon"),
+])
+def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_path, capsys, args, message):
+    objectives = [] if "--objectives" in args else ["--objectives", "clip"]
+    for dry in ([], ["--dry-run"]):
+        code = cli_main(["compare", *objectives, "--seeds", "1", *args, "--output-dir", str(tmp_path / "cmp"), *dry])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "cmp").exists()
 
 
 # ----------------------------------------------------------------------------------- statistics and text
@@ -414,7 +460,7 @@ def test_report_cells_match_the_runs_numbers(fake_env):
     calls = {p.parent.relative_to(out / "runs").as_posix(): p.read_text().split()
              for p in (out / "runs").glob("*/seed*/calls.txt")}
     start = (out / "runs" / "_sft" / "seed2" / "sft" / "final").resolve()
-    assert calls["atr_delta=0.1/seed2"][1:] == ["stages=rl,eval", f"model={start}"]
+    assert calls["kl3_delta=0.1/seed2"][1:] == ["stages=rl,eval", f"model={start}"]  # folders: from the settings
     assert calls["_sft/seed2"][1] == "stages=sft"
     # Findings follow from paired intervals: at 3 seeds the bootstrap-t interval of a varying difference is
     # unbounded, so atr - clip is not resolved; the two deltas differ by exactly +10 points on every seed.
@@ -583,6 +629,93 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
     assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
 
 
+def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
+    def one(objectives, **kwargs):
+        return plan_runs(objectives, [0], tmp_path, share_sft=False, **kwargs)[0]
+
+    plain = one(["atr"])
+    changed = one(["atr"], hparams=parse_hparams(["atr.delta=0.2"], ["atr"]))
+    assert changed.run_dir != plain.run_dir and changed.run_dir.parent.name == "kl3_delta=0.2"
+    assert plain.run_dir.parent.name == "kl3"  # the registered name: atr and kl3 are one objective
+    same = [one(["atr[delta=0.1]"]), one(["atr[delta=1e-1]"]), one(["kl3[delta=0.1]"]),
+            one(["atr"], hparams=parse_hparams(["atr.delta=0.1"], ["atr"])),
+            next(r for r in plan_runs(["atr"], [0], tmp_path, share_sft=False, sweep=parse_sweep("delta=0.1,0.3"))
+                 if r.sweep_value == 0.1)]
+    assert {r.run_dir for r in same} == {tmp_path / "runs" / "kl3_delta=0.1" / "seed0"}
+    assert len({r.fingerprint() for r in same}) == 1
+    higher = [one(["clip_higher[epsilon_low=0.2,epsilon_high=0.3]"]), one(["clip_higher[epsilon_high=0.3]"]),
+              one(["dapo[epsilon_high=3e-1]"])]
+    assert len({r.run_dir for r in higher}) == 1 and len({r.fingerprint() for r in higher}) == 1
+    ints = [one(["dual_clip[clip_ratio_c=4]"]), one(["dual_clip[clip_ratio_c=4.0]"])]
+    assert len({r.run_dir for r in ints}) == 1 and len({r.fingerprint() for r in ints}) == 1
+    assert one(["dual_clip[clip_ratio_c=3]"]).run_dir == one(["dual_clip"]).run_dir  # its default
+
+
+def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(fake_env):
+    """A group changed by --hparam does not land in (or, with --redo-changed, delete) another compare's plain run;
+    the same settings written three ways are made once."""
+    pool = fake_env.parent / "pool"
+    changed = fake_settings(fake_env / "changed", objectives=("atr",), seeds=(0,), runs_dir=str(pool),
+                            hparams=["atr.delta=0.2"])
+    assert run_compare(changed, say=lambda s: None) == 0
+    made = pool / "runs" / "kl3_delta=0.2" / "seed0" / "run_complete.json"
+    mtime = made.stat().st_mtime_ns
+    plain = fake_settings(fake_env / "plain", objectives=("atr",), seeds=(0,), runs_dir=str(pool), redo_changed=True)
+    assert run_compare(plain, say=lambda s: None) == 0
+    assert started(events(fake_env / "plain")) == ["atr/seed0"]
+    assert made.stat().st_mtime_ns == mtime  # the other compare's run is untouched
+    for i, written in enumerate(("atr[delta=0.1]", "atr[delta=1e-1]", "kl3[delta=0.1]")):
+        settings = fake_settings(fake_env / f"same{i}", objectives=(written,), seeds=(0,), runs_dir=str(pool))
+        assert run_compare(settings, say=lambda s: None) == 0
+        assert started(events(fake_env / f"same{i}")) == ([f"{written}/seed0"] if i == 0 else [])
+    assert sorted(p.name for p in (pool / "runs").iterdir()) == ["_sft", "kl3", "kl3_delta=0.1", "kl3_delta=0.2"]
+
+
+def test_issue27_item3_runs_of_an_older_pool_are_found_where_they_are(fake_env):
+    """A pool made before runs were named by their settings keeps plain atr in runs/atr: --report-only and a rerun
+    find it there (nothing is redone)."""
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0,))
+    assert run_compare(settings, say=lambda s: None) == 0
+    (fake_env / "runs" / "kl3").rename(fake_env / "runs" / "atr")  # the older layout
+    (fake_env / "report.md").unlink()
+    assert [r.run_dir.parent.name for r in settings.plan()] == ["_sft", "clip", "atr"]
+    report_only = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0,), report_only=True)
+    assert run_compare(report_only, say=lambda s: None) == 0 and (fake_env / "report.md").is_file()
+    n = len(events(fake_env))
+    assert run_compare(settings, say=lambda s: None) == 0
+    assert started(events(fake_env, n)) == []
+
+
+def test_issue27_item13_a_run_another_compare_is_making_is_waited_for(fake_env, monkeypatch):
+    """Two compares on one pool: the second waits for the run the first is making (its lock held), then reuses it,
+    instead of failing it at once."""
+    import threading
+
+    import trustclip.compare.worker as worker
+    from trustclip.compare.runner import prepare_run_dir
+    from trustclip.files import try_lock
+
+    monkeypatch.setattr(worker, "_set_threads", lambda threads: None)
+    pool = fake_env.parent / "pool"
+    settings = fake_settings(fake_env, objectives=("clip",), seeds=(0,), runs_dir=str(pool))
+    _, clip_run = settings.plan()
+    held = try_lock(clip_run.run_dir / ".lock")  # the other compare's worker, making clip/seed0
+    said, result = [], {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", run_compare(settings, say=said.append)))
+    thread.start()
+    deadline = time.time() + 120
+    while not any("waiting for it" in line for line in said):
+        assert thread.is_alive() and time.time() < deadline, said
+        time.sleep(0.1)
+    prepare_run_dir(clip_run, resume_partial=False, pipeline=settings.pipeline)  # the other compare makes it
+    assert worker.run_worker(clip_run.run_dir, lock_fd=os.dup(held.fileno())) == 0
+    held.close()
+    thread.join(timeout=120)
+    assert result.get("code") == 0, said
+    assert any("finished by another compare sharing the runs; reused" in line for line in said)
+    assert started(events(fake_env)) == ["_sft/seed0"] and not [r for r in events(fake_env) if r["event"] == "fail"]
+
+
 def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     """SIGKILL the compare while its second run is in progress: the orphaned worker exits by itself, and the
     rerun skips the finished run and resumes the killed one (the trainer's resume) without other starts."""
@@ -591,7 +724,7 @@ def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
            "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
     env = {**os.environ, "FAKE_DELAY_kl3": "60"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    killed_dir = out / "runs" / "atr" / "seed0"
+    killed_dir = out / "runs" / "kl3" / "seed0"
     deadline = time.time() + 120
     while not (killed_dir / "calls.txt").is_file():
         assert time.time() < deadline and proc.poll() is None, "the second run never started"
@@ -672,7 +805,8 @@ def test_end_to_end_every_file_and_cell(tiny_compare):
     for name in FIGURES:
         assert (out / "figures" / name).read_bytes()[:8] == PNG_MAGIC
     text = (out / "report.md").read_text()
-    numbers = {(o, s): _run_numbers(out / "runs" / o / f"seed{s}") for o in ("clip", "atr") for s in (0, 1)}
+    folders = {"clip": "clip", "atr": "kl3"}  # a run's folder is named by its settings
+    numbers = {(o, s): _run_numbers(out / "runs" / folders[o] / f"seed{s}") for o in folders for s in (0, 1)}
     t2 = md_table(text, "## Table 2")
     splits = [h.rsplit(" ", 1)[0] for h in t2[0][1::2]]
     keys = ["average" if s == "Average" else s for s in splits]
@@ -722,9 +856,9 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
     out, settings, _ = tiny_compare
     markers = {p.parent.relative_to(out / "runs").as_posix(): p
                for p in (out / "runs").glob("*/seed*/run_complete.json")}
-    assert sorted(markers) == ["_sft/seed0", "_sft/seed1", "atr/seed0", "atr/seed1", "clip/seed0", "clip/seed1"]
+    assert sorted(markers) == ["_sft/seed0", "_sft/seed1", "clip/seed0", "clip/seed1", "kl3/seed0", "kl3/seed1"]
     mtimes = {k: p.stat().st_mtime_ns for k, p in markers.items()}
-    markers["atr/seed1"].unlink()  # as if the compare had been killed before this run was marked finished
+    markers["kl3/seed1"].unlink()  # as if the compare had been killed before atr/seed1 was marked finished
     n = len(events(out))
     assert run_compare(settings, say=lambda s: None) == 0
     rerun = events(out, n)
@@ -733,4 +867,4 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
                                                                         "clip/seed0", "clip/seed1"]
     for key, path in markers.items():
         assert path.is_file()
-        assert (path.stat().st_mtime_ns == mtimes[key]) == (key != "atr/seed1")
+        assert (path.stat().st_mtime_ns == mtimes[key]) == (key != "kl3/seed1")

@@ -205,6 +205,54 @@ def test_benchmark_specs(tmp_path):
         load_prompts("builtin:nope")
 
 
+@pytest.mark.parametrize(("stored", "written"), [
+    (0.00001, "0.00001"), (1e-7, "0.0000001"), (2.5e-07, "0.00000025"), (-3e-6, "-0.000003"), (0.125, "0.125"),
+])
+def test_issue27_item4_small_decimal_answers_keep_the_form_people_write(tmp_path, stored, written):
+    """A JSON number answer is kept as positional decimal text (not '1e-05'), so a correct boxed answer scores 1."""
+    from trustclip.rewards import score_completions
+
+    path = tmp_path / "small.jsonl"
+    path.write_text(json.dumps({"problem": "x?", "answer": stored}) + "\n")
+    row = load_prompts(path)[0]
+    assert row["answer"] == written
+    assert score_completions([f"so \\boxed{{{written}}}"], [row["answer"]], timeout=20.0) == [1.0]
+
+
+def _leveled(tmp_path: Path) -> Path:
+    rows = [{"problem": f"p{i}", "answer": str(i), "level": [1, 2, 1.0, 3][i % 4],
+             "subject": ["Algebra", "Geometry"][i % 2], "flag": i % 3 == 0, "tag": ["1", "a & b"][i % 2]}
+            for i in range(12)]
+    return write_jsonl(tmp_path / "leveled.jsonl", rows)
+
+
+def test_issue27_item5_benchmark_filters_compare_json_values_over_several_fields(tmp_path):
+    path = _leveled(tmp_path)
+    one = load_benchmark_specs([f"x={path}?level=1"])["x"]
+    assert len(one) == 6 and {r["level"] for r in one} == {1}  # the 1.0 rows are level 1 too
+    both = load_benchmark_specs([f"x={path}?level=1,2&subject=Algebra"])["x"]
+    assert both and all(r["level"] in (1, 2) and r["subject"] == "Algebra" for r in both)
+    assert len(both) == sum(1 for i in range(12) if i % 4 in (0, 2) and i % 2 == 0)
+    assert {r["flag"] for r in load_benchmark_specs([f"x={path}?flag=true"])["x"]} == {True}
+    assert {r["tag"] for r in load_benchmark_specs([f'x={path}?tag="1"'])["x"]} == {"1"}  # the string "1"
+    assert {r["tag"] for r in load_benchmark_specs([f"x={path}?tag=a %26 b"])["x"]} == {"a & b"}
+    assert [r["answer"] for r in load_benchmark_specs([f"x={path}?answer=3,5"])["x"]] == ["3", "5"]  # loaded as text
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("level=1,7", r"no row has level in \[7\]"),
+    ("level=1,2&subject=Algebra&topic=x", r"no row has a field 'topic'"),
+    ("level=1&level=2", r"field 'level' is given twice"),
+    ("subject=Algebra&", r"expected NAME=SOURCE\?FIELD=VALUE"),
+    ("tag=1", r"no row has tag in \[1\]"),  # the number 1 is not the string "1"
+    ("level=3&subject=Algebra", "no row matches every filter at once"),
+])
+def test_issue27_item5_a_filter_value_that_matches_nothing_is_an_error(tmp_path, query, message):
+    path = _leveled(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        load_benchmark_specs([f"x={path}?{query}"])
+
+
 # --------------------------------------------------------------------------- synthetic task
 
 

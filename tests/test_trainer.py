@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -223,6 +224,84 @@ def test_matches_trl_builtin_loss(tiny, tmp_path, case):
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert ours._metrics["train"][key] == pytest.approx(theirs._metrics["train"][key])
         assert ours._metrics["train"]["objective/clip_frac"][0] > 0  # the batch does clip
+
+
+@pytest.mark.parametrize("case", [c for c in TRL_MATCHES if c not in ("gspo", "kl3=asymmetric dapo")])
+def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, tmp_path, case):
+    """TRL's own loss options given to TrustClipGRPOConfig (no objective) train exactly TRL's loss: same loss and
+    gradient as TRL's GRPOTrainer with the same options, not the default kl3."""
+    objective, kwargs, aggregation, trl_config = TRL_MATCHES[case]
+    ours = make_trainer(tiny, tmp_path / "ours", max_completion_length=6, **trl_config)
+    assert (ours.objective.name, ours.aggregation) == (objective, aggregation)
+    assert dict(ours.objective.hparams) == dict(get_objective(objective, **kwargs).hparams)
+    theirs = _trl_trainer(tiny, tmp_path, **trl_config)
+    assert_same_loss_and_grads(ours, theirs, _with_old_logps(theirs, _batch(tiny[1])))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"loss_type": "bnpo"}, "loss_type='bnpo' normalises by the tokens of each micro-batch"),
+    ({"loss_type": "nonsense"}, "loss_type='nonsense' is not a TRL loss type"),
+    ({"loss_type": "vespo"}, "no objective computing TRL's vespo loss"),
+    ({"vespo_k_pos": 3.0}, "no objective computing TRL's dapo loss"),
+    ({"objective": "clip", "loss_type": "cispo", "epsilon": 0.9}, "TRL's cispo caps the ratio w at epsilon_high"),
+    ({"objective": "clip", "loss_type": "cispo", "epsilon_high": 5.0}, "not objective='clip'"),
+    ({"objective": "kl3", "epsilon": 0.3}, "which are objective 'clip' {'epsilon': 0.3} in trustclip, not "
+                                           "objective='kl3'"),
+    ({"objective": "clip", "epsilon": 0.3, "objective_kwargs": {"epsilon": 0.2}}, "set epsilon to two values"),
+    ({"delta": 1.1}, "dual_clip only for delta >= 1 + epsilon_high"),
+    ({"loss_type": "sapo", "epsilon": 0.3}, "loss_type='sapo' does not use epsilon"),
+    ({"scale_rewards": "batch"}, "scale_rewards='batch': trustclip has no advantage estimator"),
+    ({"scale_rewards": "group", "advantage_estimator": "rloo"}, "scale_rewards='group' is advantage_estimator='grpo'"),
+    ({"loss_type": "dapo", "aggregation": "dr_grpo"}, "loss_type='dapo' is aggregation='token_mean'"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile=1.5 is invalid: must be in [0, 1]"),
+    ({"top_entropy_quantile": -0.1}, "top_entropy_quantile=-0.1 is invalid"),
+    ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold=-1.0 is invalid"),
+    ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min=0.5 is above entropy_coef_max=0.1"),
+])
+def test_issue27_item1_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(tmp_path, **options)
+
+
+def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
+    config = make_config(tmp_path, objective="clip", epsilon=0.3)  # the same objective: its epsilon, honoured
+    assert (config.objective, config.objective_kwargs) == ("clip", {"epsilon": 0.3})
+    config = make_config(tmp_path, epsilon=0.9, epsilon_high=5.0, scale_rewards="group")
+    assert (config.objective, config.objective_kwargs, config.advantage_estimator, config.scale_rewards) == (
+        "clip_higher", {"epsilon_low": 0.9, "epsilon_high": 5.0}, "grpo", "group")
+    config = make_config(tmp_path)  # nothing of TRL's given: trustclip's defaults
+    assert (config.objective, config.aggregation, config.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
+
+
+def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
+    """The documented path TrustClipGRPOTrainer(model, args=GRPOConfig(...), objective=...) trains (it crashed at the
+    first step), with trustclip's fields at their defaults; its checks run when the trainer is built."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from trustclip.trainers import TrustClipGRPOTrainer
+
+    model, tokenizer = tiny
+    common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=6, num_iterations=2, use_cpu=True, bf16=False, report_to="none",
+                  activation_checkpointing=False, gradient_checkpointing=None, save_strategy="no", disable_tqdm=True,
+                  logging_steps=1)
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
+    trainer = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),
+                                   train_dataset=dataset, processing_class=tokenizer, objective="clip")
+    assert (trainer.objective.name, trainer.aggregation, trainer.advantage_estimator) == ("clip", "dr_grpo", "dr_grpo")
+    assert trainer.args.truncated_reward is None and trainer.args.scale_rewards == "none"
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    for bad, message in (({"importance_sampling_level": "sequence"}, "importance_sampling_level='sequence'"),
+                         ({"epsilon": 0.3}, "not objective='kl3'"), ({"loss_type": "bnpo"}, "loss_type='bnpo'")):
+        with pytest.raises(ValueError, match=message):
+            TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common | bad),
+                                 train_dataset=dataset, processing_class=tokenizer, objective="kl3")
+    with_epsilon = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward,
+                                        args=GRPOConfig(**common | {"epsilon": 0.3}), train_dataset=dataset,
+                                        processing_class=tokenizer, objective="clip")
+    assert dict(with_epsilon.objective.hparams) == {"epsilon": 0.3}  # a changed TRL option is honoured
 
 
 # ------------------------------------------------------------------ faithful normalisation

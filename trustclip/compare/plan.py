@@ -13,8 +13,15 @@ Every combination is validated with `get_objective` before any run starts.
 
 An objective may be listed more than once as *variants* with their own hyper-parameters in brackets,
 `clip,clip[epsilon=0.329],clip_higher[epsilon_low=0.329,epsilon_high=0.422]`; each is its own group (named as
-written; directory `clip_epsilon=0.329`). A variant's bracketed values take precedence over `--hparam`
-(item 2); runs whose settings come out identical are an error.
+written). A variant and `--hparam` (or `--sweep`) that set the same hyper-parameter are an error; runs whose
+settings come out identical are an error.
+
+A run's directory follows from its settings, not from how they were written: `runs/<objective>[_<key>=<value>
+...]/seed<k>`, with the registered objective name (`atr` -> `kl3`), only the hyper-parameters that differ from
+the objective's defaults (in the objective's own order, numbers normalised: `0.1` = `1e-1`, `3` = `3.0`), and a
+swept training option where its value differs from the recipe's. So `atr[delta=0.1]`, `kl3[delta=0.1]`, `--hparam
+atr.delta=0.1` and `--sweep delta=...,0.1` share one run in a pool, and a changed group never lands in the plain
+group's directory. A run made under the older naming (the group's name as written) is found there and reused.
 
 A sweep key without a dot names an objective hyper-parameter; it is applied to the objectives that have
 it and the others run once, at their own setting, as the sweep's reference lines. It is an error when no
@@ -69,8 +76,9 @@ class RunSpec:
     root: Path = field(default=Path("."), repr=False)
     kind: str = "rl"  # "rl": a compared run; "sft": a shared SFT run other runs start from
     depends_on: RunSpec | None = field(default=None, repr=False)
-    # directory name when a swept value is the run's own setting: the run *is* the unswept group's run, kept once
+    # the group whose run this is when a swept or variant value is the run's own setting (its older directory name)
     stored_as: str | None = None
+    folder: str | None = None  # directory under runs/: from the run's settings (`run_folder`), set by plan_runs
 
     @property
     def group(self) -> str:
@@ -87,7 +95,12 @@ class RunSpec:
 
     @property
     def run_dir(self) -> Path:
-        return self.root / RUNS_DIR / safe_name(self.stored_as or self.group) / f"seed{self.seed}"
+        return self.root / RUNS_DIR / (self.folder or self.legacy_folder) / f"seed{self.seed}"
+
+    @property
+    def legacy_folder(self) -> str:
+        """The directory name of releases before issue 27: the (simplest) group's name as written."""
+        return safe_name(self.stored_as or self.group)
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's numbers (its SFT run's fingerprint included)."""
@@ -126,6 +139,15 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
+
+
+def canonical_text(value: Any) -> str:
+    """A value as written in a run's directory name: numbers by value (0.1 = 1e-1 -> '0.1', 3 = 3.0 -> '3',
+    full precision), anything else as JSON text."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        return str(int(number)) if number.is_integer() and abs(number) < 1e15 else repr(number)
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def safe_name(text: str) -> str:
@@ -284,11 +306,32 @@ def parse_sweep(text: str | None) -> Sweep | None:
     values = tuple(_yaml_value(v.strip()) for v in raw.split(",") if v.strip())
     if not sep or not key or not values:
         raise ValueError(f"--sweep {text!r}: expected KEY=V1,V2,..., e.g. delta=0.03,0.05,0.07")
+    _check_sweepable(key, text)
     if any(v is None or isinstance(v, dict | list) for v in values):
         raise ValueError(f"--sweep {text!r}: values must be numbers, strings or booleans")
     if len(set(map(repr, values))) != len(values):
         raise ValueError(f"--sweep {text!r}: repeated values")
     return Sweep(key, values)
+
+
+# Settings --sweep cannot vary, and what varies them.
+NOT_SWEEPABLE = {
+    "rl.objective": "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])",
+    "objective": "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])",
+    "rl.objective_kwargs": "sweep one hyper-parameter by its name (--sweep delta=0.05,0.1), or list variants "
+                           "NAME[KEY=V] in --objectives",
+    "seed": "give the seeds with --seeds / --seed-list",
+    "stages": "compare runs every stage; set them for all runs with --set stages=...",
+}
+
+
+def _check_sweepable(key: str, text: str) -> None:
+    if key.startswith("rl.objective_kwargs."):
+        raise ValueError(f"--sweep {text!r}: an objective's hyper-parameter is swept by its name: --sweep "
+                         f"{key.rsplit('.', 1)[-1]}=...")
+    if key in NOT_SWEEPABLE or key in NON_SCIENTIFIC:
+        why = NOT_SWEEPABLE.get(key, "it does not change what a run computes")
+        raise ValueError(f"--sweep {text!r}: {key} is not a sweepable setting; {why}")
 
 
 def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -303,6 +346,8 @@ def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict
             raise ValueError(f"--hparam {item!r}: expected OBJECTIVE.KEY=VALUE, e.g. clip.epsilon=0.3")
         if label not in compared:
             raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(compared)}")
+        if key in out.get(label, {}):
+            raise ValueError(f"--hparam {item!r}: {label}.{key} is given twice; give it once")
         out.setdefault(label, {})[key] = _yaml_value(raw.strip())
     return out
 
@@ -319,13 +364,32 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
     return load_config(recipe, list(overrides)).to_dict()
 
 
-def _objective_kwargs(entry: Entry, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Recipe kwargs (when the recipe trains this objective), then --hparam, then the variant's own values."""
-    kwargs: dict[str, Any] = {}
+def _recipe_kwargs(entry: Entry, base: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's objective_kwargs when the recipe trains this objective, else none."""
     recipe_objective = base["rl"].get("objective")
     if recipe_objective and resolve_objective_name(recipe_objective) == resolve_objective_name(entry.name):
-        kwargs.update(base["rl"].get("objective_kwargs") or {})
-    return kwargs | extra.get(entry.name, {}) | entry.kwargs
+        return dict(base["rl"].get("objective_kwargs") or {})
+    return {}
+
+
+def _objective_kwargs(entry: Entry, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Recipe kwargs (when the recipe trains this objective), then --hparam, then the variant's own values (the two
+    never set the same key: `_check_hparams`)."""
+    return _recipe_kwargs(entry, base) | extra.get(entry.name, {}) | entry.kwargs
+
+
+def _check_hparams(entries: Sequence[Entry], hparams: dict[str, dict[str, Any]], sweep: Sweep | None) -> None:
+    """A hyper-parameter set twice for one group (a variant's brackets and --hparam, or --hparam and --sweep) would
+    leave one of the values silently unused: an error naming both."""
+    for entry in entries:
+        given = hparams.get(entry.name, {})
+        for key in sorted(set(given) & set(entry.kwargs)):
+            raise ValueError(f"--hparam {entry.name}.{key}={given[key]!r} and the variant {entry.label!r} both set "
+                             f"{key}; give it once (in the brackets, or with --hparam for every group of "
+                             f"{entry.name})")
+        if sweep is not None and not sweep.is_training_option and sweep.key in given:
+            raise ValueError(f"--hparam {entry.name}.{sweep.key}={given[sweep.key]!r} and --sweep {sweep.key} both "
+                             f"set {sweep.key}; sweep it or set it, not both")
 
 
 def _sweep_applies(sweep: Sweep | None, entry: Entry) -> bool:
@@ -384,6 +448,7 @@ def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, 
         objective = get_objective(entry.name, **kwargs)
     except ValueError as err:
         raise ValueError(f"objective {entry.label!r}: {err}") from None
+    kwargs = _canonical_kwargs(objective, kwargs, _recipe_kwargs(entry, base))
     data["seed"] = seed
     data["rl"]["objective"] = objective.name
     data["rl"]["objective_kwargs"] = kwargs
@@ -393,6 +458,51 @@ def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, 
         raise ValueError(f"run {entry.label} seed {seed}: {err}") from None
     return RunSpec(entry.label, objective.name, seed, dict(objective.hparams), config,
                    sweep.key if sweep is not None else None, value, root)
+
+
+def _canonical_kwargs(objective: Any, kwargs: dict[str, Any], recipe: dict[str, Any]) -> dict[str, Any]:
+    """The kwargs a run's config records, the same however they were written: a value equal to the objective's
+    default is left out (unless it overrides the recipe's), an integer given for a float parameter is that float."""
+    defaults = {key: param.default for key, param in objective.spec.params.items()}
+    out = {}
+    for key, value in kwargs.items():
+        if isinstance(defaults.get(key), float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if key in recipe or value != defaults.get(key):
+            out[key] = value
+    return out
+
+
+def run_folder(spec: RunSpec, base: dict[str, Any]) -> str:
+    """A run's directory name from its settings: the registered objective name, its hyper-parameters that differ from
+    the objective's defaults (in its own order) and a swept training option that differs from the recipe's value."""
+    from trustclip.objectives.registry import resolve_name
+    from trustclip.train.config import get_dotted
+
+    params = resolve_name(spec.objective).params
+    parts = [spec.objective] + [f"{key}={canonical_text(spec.hparams[key])}" for key in params
+                                if key in spec.hparams and spec.hparams[key] != params[key].default]
+    if spec.sweep_key is not None and "." in spec.sweep_key:
+        try:
+            unswept = get_dotted(base, spec.sweep_key)
+        except (KeyError, TypeError):
+            unswept = None
+        if get_dotted(spec.config, spec.sweep_key) != unswept:
+            parts.append(f"{spec.sweep_key}={canonical_text(spec.sweep_value)}")
+    return safe_name("_".join(parts))
+
+
+def _place(spec: RunSpec, base: dict[str, Any]) -> None:
+    """Set the run's directory: the one its settings name, or the older one (the group's name) where a run with
+    exactly its fingerprint already is (a pool made before issue 27)."""
+    from trustclip.files import read_json
+
+    spec.folder = run_folder(spec, base)
+    canonical, legacy = spec.run_dir, spec.root / RUNS_DIR / spec.legacy_folder / f"seed{spec.seed}"
+    if legacy != canonical and not canonical.exists():
+        old = read_json(legacy / SPEC_FILE)
+        if isinstance(old, dict) and old.get("fingerprint") == spec.fingerprint():
+            spec.folder = spec.legacy_folder
 
 
 def _settings(spec: RunSpec) -> str:
@@ -425,6 +535,7 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
     if not seeds:
         raise ValueError("no seeds given")
     _check_sweep(sweep, entries)
+    _check_hparams(entries, hparams or {}, sweep)
     base = base if base is not None else base_config(recipe, overrides)
     root = Path(root)
     runs: list[RunSpec] = []
@@ -434,9 +545,14 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
                 runs.extend(_make_run(entry, seed, base, hparams or {}, sweep, v, root) for v in sweep.values)
             else:
                 runs.append(_make_run(entry, seed, base, hparams or {}, None, None, root))
+    for spec in runs:
+        spec.folder = run_folder(spec, base)
     _check_distinct(runs)
     if share_sft and "sft" in base["stages"]:
         runs = _share_sft(runs, root)
+    for spec in runs:
+        if spec.kind == "rl":
+            _place(spec, base)  # its fingerprint includes its SFT run's
     return runs
 
 

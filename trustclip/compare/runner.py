@@ -8,6 +8,9 @@ watched by a thread of a `concurrent.futures` pool.
   once from scratch. `resume_partial=False` always restarts from scratch.
 - A run directory made with different settings (other recipe, overrides, hyper-parameters) is an error unless
   `redo_changed=True`: results of different experiments are never mixed silently.
+- Compares sharing a pool of runs (`--runs-dir`) share its runs: a run another compare is making (its lock held)
+  is waited for, then reused; a compare holds a run's lock from before its directory is prepared until its worker
+  has exited (the worker inherits it), so two compares never make one run at once.
 - A crash of one run does not stop the others (an RL run whose shared SFT run failed fails with it). Ctrl-C or
   SIGTERM stops every worker's process group; a worker whose compare was SIGKILLed exits by itself (it watches its
   parent), so nothing is orphaned, and rerunning the same command resumes. Every start / finish / failure goes
@@ -38,6 +41,7 @@ LOG_FILE = "compare_log.jsonl"
 WORKER_LOG = "worker.log"
 COMPARE_LOCK = ".compare.lock"
 KILL_GRACE = 10.0  # seconds a worker gets to exit after SIGTERM before SIGKILL
+LOCK_POLL = 2.0  # seconds between looks at a run another process is making
 
 
 class ChangedRunError(ValueError):
@@ -195,14 +199,39 @@ class _Execution:
         if dep is not None and not is_finished(dep):
             why = "failed" if dep.run_id in self.result.failed else "did not finish"
             return self.fail(spec, f"its SFT run {dep.run_id} {why}")
+        lock = self.claim(spec)
+        if lock is None:  # stopped while waiting
+            return None
+        with lock:  # held (and shared with its worker) until the run is done: no other compare touches it meanwhile
+            if is_finished(spec):  # made meanwhile by another compare sharing the pool
+                with self.lock:
+                    self.result.skipped.append(spec.run_id)
+                self.log("skip", spec.run_id, made_by="another process")
+                return self.say(f"= {spec.run_id}: finished by another compare sharing the runs; reused")
+            return self.make(spec, lock)
+
+    def claim(self, spec: RunSpec) -> Any:
+        """The run's lock; while another process (a compare sharing the pool, or its worker) holds it, wait for it
+        to let go. None when this compare is stopped while waiting."""
+        said = False
+        while not self.stop.is_set():
+            lock = try_lock(spec.run_dir / LOCK_FILE)
+            if lock is not None:
+                return lock
+            if not said:
+                said = True
+                holder = _read_text(spec.run_dir / LOCK_FILE) or "?"
+                self.log("wait", spec.run_id, holder=holder)
+                self.say(f"~ {spec.run_id} is being made by another process (pid {holder}); waiting for it")
+            self.stop.wait(LOCK_POLL)
+        return None
+
+    def make(self, spec: RunSpec, lock: Any) -> None:
+        """Run the worker (holding `lock`) until the run finishes or fails; a failed resume restarts once."""
         resume = self.resume_partial
         while True:
-            lock = try_lock(spec.run_dir / LOCK_FILE)
-            if lock is None:
-                return self.fail(spec, "locked by another live process (another compare running?)")
-            lock.close()  # free it for the worker; the compare lock keeps other compares out meanwhile
             resumed = prepare_run_dir(spec, resume, self.pipeline)
-            code, seconds, reason = self.launch(spec, resumed)
+            code, seconds, reason = self.launch(spec, resumed, lock)
             if code is None:  # stopped before it started
                 return None
             if code == 0 and is_finished(spec):
@@ -223,9 +252,11 @@ class _Execution:
             return self.fail(spec, f"{reason}; log: {spec.run_dir / WORKER_LOG}", seconds=seconds, returncode=code,
                              tail=tail)
 
-    def launch(self, spec: RunSpec, resumed: bool) -> tuple[int | None, float, str]:
-        """Start the worker and wait for it: (exit code or None if stopped first, seconds, reason)."""
-        cmd = [sys.executable, "-m", "trustclip.compare.worker", str(spec.run_dir), "--threads", str(self.threads)]
+    def launch(self, spec: RunSpec, resumed: bool, lock: Any) -> tuple[int | None, float, str]:
+        """Start the worker, handing it the run's lock, and wait for it: (exit code or None if stopped first,
+        seconds, reason)."""
+        cmd = [sys.executable, "-m", "trustclip.compare.worker", str(spec.run_dir), "--threads", str(self.threads),
+               "--lock-fd", str(lock.fileno())]
         cmd += ["--resume"] if resumed else []
         env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                **{var: str(self.threads) for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
@@ -233,7 +264,8 @@ class _Execution:
             if self.stop.is_set():
                 return None, 0.0, "stopped"
             with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as log:
-                process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                           pass_fds=(lock.fileno(),))
             started = time.time()
             self.running[spec.run_id] = (spec, process, started)
         self.log("start", spec.run_id, pid=process.pid, resumed=resumed)
@@ -306,6 +338,13 @@ def _kill(process: subprocess.Popen, grace: float = KILL_GRACE) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
 
 
 def _clock(seconds: float) -> str:

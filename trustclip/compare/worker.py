@@ -6,8 +6,9 @@ A run counts as finished only when that marker exists, names the run's fingerpri
 `summary.json` is readable: a run killed at any point is never mistaken for a finished one.
 
 While it runs, the worker holds an exclusive lock on `RUN_DIR/.lock` (released by the OS when the process
-dies), so a second compare cannot start the same run. Started by a compare (`TRUSTCLIP_COMPARE_PARENT`
-set), it exits when that compare dies, so a killed compare leaves no orphans behind.
+dies; started by a compare, it inherits the compare's, `--lock-fd`), so a second compare cannot start the same
+run. Started by a compare (`TRUSTCLIP_COMPARE_PARENT` set), it exits when that compare dies, so a killed compare
+leaves no orphans behind.
 
 The pipeline is `trustclip.train.pipeline.run_pipeline(TrainConfig) -> summary`; `--pipeline module:function`
 (or the `pipeline` field of the spec) swaps in another callable with the same contract.
@@ -92,14 +93,28 @@ def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     return from_dict(TrainConfig, data)
 
 
-def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, pipeline: str | None = None) -> int:
+def _inherited_lock(fd: int) -> Any:
+    """The run's lock, taken by the compare that started this worker and handed over as an open file descriptor
+    (the same open file: the lock is held while either process keeps it). None if it is not that lock."""
+    import fcntl
+
+    try:
+        handle = os.fdopen(fd, "a+")
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a no-op on the holder's own open file
+    except OSError:
+        return None
+    return handle
+
+
+def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, pipeline: str | None = None,
+               lock_fd: int | None = None) -> int:
     """Run one spec to completion; returns a process exit code (0 = finished and marked complete)."""
     run_dir = Path(run_dir)
     spec = read_json(run_dir / SPEC_FILE)
     if not isinstance(spec, dict) or "config" not in spec:
         print(f"worker: {run_dir / SPEC_FILE} is missing or unreadable", file=sys.stderr)
         return 2
-    lock = try_lock(run_dir / LOCK_FILE)
+    lock = try_lock(run_dir / LOCK_FILE) if lock_fd is None else _inherited_lock(lock_fd)
     if lock is None:
         print(f"worker: {run_dir} is locked by another process", file=sys.stderr)
         return 3
@@ -126,13 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     parser.add_argument("--pipeline", default=None, help="module:function replacing the training pipeline")
+    parser.add_argument("--lock-fd", type=int, default=None,
+                        help="open file descriptor of RUN_DIR/.lock, locked by the compare that starts this worker")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     parent = os.environ.get(PARENT_ENV)
     if parent and parent.isdigit():
         _watch_parent(int(parent))
-    return run_worker(args.run_dir, args.threads, args.resume, args.pipeline)
+    return run_worker(args.run_dir, args.threads, args.resume, args.pipeline, args.lock_fd)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ ending in `\\boxed{N}`: an SFT target in the format the reward requires. Every r
 so a malformed file fails with `DataFormatError` naming the file and line before any training starts.
 
 Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
-`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2).
+`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2); several fields are joined with `&` (a row must match
+each), values are compared as JSON values (`1` matches `1` and `1.0`, `true` matches `true`, `"1"` the string), and a
+listed value that matches no row is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 FILE_SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet"}
 BUILTIN_PREFIX = "builtin:"
+TEXT_FIELDS = ("id", "problem", "answer")  # fields every loaded row holds as text
 DAPO_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the "
     "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
@@ -77,27 +80,26 @@ def load_prompts(
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """One benchmark of a spec: its name, its source, and the rows it keeps (`field` in `values`; all if None)."""
+    """One benchmark of a spec: its name, its source, and the rows it keeps: `filters` holds (field, values) pairs,
+    and a row is kept when, for every pair, its field equals one of the values (as JSON values); all rows if empty."""
 
     name: str
     source: str
-    field: str | None = None
-    values: frozenset[str] = frozenset()
+    filters: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    @property
+    def query(self) -> str:
+        return "&".join(f"{key}={','.join(json.dumps(v) for v in values)}" for key, values in self.filters)
 
 
 def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
     """`NAME=SOURCE`, a bare `SOURCE` (named after the file stem) or `builtin` (every held-out synthetic split), each
-    optionally followed by `?FIELD=V1,V2` to keep some rows. Raises ValueError on a malformed spec; loads nothing."""
+    optionally followed by `?FIELD=V1,V2[&FIELD2=...]` to keep some rows. Raises ValueError on a malformed spec;
+    loads nothing."""
     from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 
     body, _, query = spec.partition("?")
-    field, values = None, frozenset[str]()
-    if query:
-        key, sep, listed = query.partition("=")
-        values = frozenset(v.strip() for v in listed.split(",") if v.strip())
-        if not sep or not key.strip() or not values:
-            raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=SOURCE?FIELD=VALUE[,VALUE...]")
-        field = key.strip()
+    filters = _parse_filters(spec, query) if query else ()
     if body == "builtin":
         pairs = [(name, BUILTIN_PREFIX + name) for name in DEFAULT_EVAL_SPLITS]
     elif "=" in body:
@@ -107,20 +109,78 @@ def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
         pairs = [(name, source)]
     else:
         pairs = [(Path(body).stem if Path(body).suffix else body.rsplit(":", 1)[-1], body)]
-    return [BenchmarkSpec(name, source, field, values) for name, source in pairs]
+    return [BenchmarkSpec(name, source, filters) for name, source in pairs]
+
+
+def _parse_filters(spec: str, query: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """`level=1,2&subject=Algebra` -> (("level", (1, 2)), ("subject", ("Algebra",))). A value is read as JSON when it
+    is JSON (1, 1.5, true, null, "text"), else taken as text; `%26`, `%2C`, `%3D` write a literal `&`, `,`, `=`."""
+    from urllib.parse import unquote
+
+    filters: dict[str, tuple[Any, ...]] = {}
+    for part in query.split("&"):
+        key, sep, listed = part.partition("=")
+        key = unquote(key.strip())
+        values = tuple(_json_value(unquote(v.strip())) for v in listed.split(",") if v.strip())
+        if not sep or not key or not values:
+            raise ValueError(f"bad benchmark spec {spec!r}: expected NAME=SOURCE?FIELD=VALUE[,VALUE...][&FIELD=...], "
+                             f"got {part!r}")
+        if key in filters:
+            raise ValueError(f"bad benchmark spec {spec!r}: field {key!r} is given twice; list its values once "
+                             f"({key}=V1,V2)")
+        bad = [v for v in values if isinstance(v, list | dict)]
+        if bad:
+            raise ValueError(f"bad benchmark spec {spec!r}: {key}={json.dumps(bad[0])} is not a single value (a "
+                             "number, string, true/false or null)")
+        filters[key] = values
+    return tuple(filters.items())
+
+
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal as JSON values: 1 == 1.0, but neither true == 1 nor "1" == 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _matches(key: str, row_value: Any, wanted: Any) -> bool:
+    """A row's field equals a filter value as JSON values; the fields the loader turns into text (id, problem,
+    answer: a source's 7 is "7") also match a number by its text."""
+    if key in TEXT_FIELDS and isinstance(row_value, str) and not isinstance(wanted, str):
+        return row_value == json.dumps(wanted)
+    return _same_value(row_value, wanted)
 
 
 def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[str, Any]]:
-    """The rows a spec's `?FIELD=V1,V2` keeps (values compared as text); every row without one."""
-    if bench.field is None:
+    """The rows a spec's filters keep (every row without one). A field no row has, a listed value no row has, or a
+    combination that keeps no row is a ValueError naming it."""
+    if not bench.filters:
         return rows
-    spec = f"{bench.name}={bench.source}?{bench.field}={','.join(sorted(bench.values))}"
-    if not any(bench.field in r for r in rows):
-        fields = ", ".join(sorted(rows[0]))
-        raise ValueError(f"benchmark spec {spec!r}: no row has a field {bench.field!r} (fields: {fields})")
-    kept = [r for r in rows if str(r.get(bench.field)) in bench.values]
+    spec = f"{bench.name}={bench.source}?{bench.query}"
+    kept = rows
+    for key, values in bench.filters:
+        if not any(key in r for r in rows):
+            fields = ", ".join(sorted(rows[0])) if rows else "none"
+            raise ValueError(f"benchmark spec {spec!r}: no row has a field {key!r} (fields: {fields})")
+        present = {json.dumps(r[key]): r[key] for r in rows if key in r}
+        missing = [v for v in values if not any(_matches(key, p, v) for p in present.values())]
+        if missing:
+            shown = ", ".join(sorted(present)[:20]) + (", ..." if len(present) > 20 else "")
+            raise ValueError(f"benchmark spec {spec!r}: no row has {key} in {json.dumps(missing)} (values of {key}: "
+                             f"{shown}); drop the value or fix its spelling (a string that looks like a number is "
+                             'written in quotes, e.g. "1")')
+        kept = [r for r in kept if key in r and any(_matches(key, r[key], v) for v in values)]
     if not kept:
-        raise ValueError(f"benchmark spec {spec!r}: no row has {bench.field} in {sorted(bench.values)}")
+        raise ValueError(f"benchmark spec {spec!r}: no row matches every filter at once")
     return kept
 
 
@@ -324,7 +384,9 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
         return str(int(answer))  # e.g. AMC sources store 142.0
     if isinstance(answer, float) and not math.isfinite(answer):
         raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
-    if isinstance(answer, int | float):
+    if isinstance(answer, float):
+        return _decimal_text(answer)
+    if isinstance(answer, int):
         try:
             return str(answer)
         except ValueError as err:  # an integer of more than 4300 digits
@@ -332,6 +394,14 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
     if isinstance(answer, str) and answer.strip():
         return answer.strip()
     raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")
+
+
+def _decimal_text(value: float) -> str:
+    """A float as the decimal people write: 1e-05 -> '0.00001', 2.5e-07 -> '0.00000025' (Python's shortest repr, in
+    positional notation). math-verify reads '1e-05' as text, so a correct \\boxed{0.00001} would score 0."""
+    from decimal import Decimal
+
+    return format(Decimal(repr(value)), "f")
 
 
 def _is_dapo(record: dict) -> bool:

@@ -49,7 +49,9 @@ class EvalArgs:
     max_new_tokens: StrictInt = field(default=32, metadata={"help": "Generation budget per completion (tokens)."})
     batch_size: StrictInt = field(default=512, metadata={"help": "Sequences per generate call."})
     seed: StrictInt = field(default=0, metadata={"help": "Sampling seed (the same before and after training)."})
-    backend: StrictStr = field(default="auto", metadata={"help": "auto (vLLM when installed with a GPU), hf or vllm."})
+    backend: StrictStr = field(default="auto", metadata={"help": "trustclip eval: auto (vLLM when installed with a "
+                                                                 "GPU), hf or vllm; trustclip train evaluates the "
+                                                                 "model in memory with HF (auto or hf)."})
 
     def __post_init__(self) -> None:
         for name in ("k", "max_new_tokens", "batch_size"):
@@ -188,6 +190,14 @@ def vllm_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_backend(backend: str) -> None:
+    """backend 'vllm' needs vLLM and a CUDA GPU: say so before any model is loaded."""
+    if backend == "vllm" and not vllm_available():
+        missing = "the vllm package" if importlib.util.find_spec("vllm") is None else "a CUDA GPU"
+        raise ValueError(f"eval.backend='vllm' (--backend vllm) needs the vllm package and a CUDA GPU, and {missing} "
+                         "is missing here; use --backend hf (or auto)")
+
+
 def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig) -> list[list[str]]:
     """`config.n` completions per prompt with vLLM (GPU only); the engine is freed afterwards."""
     import torch
@@ -285,8 +295,7 @@ def evaluate_checkpoints(
 
     config = config or EvalConfig()
     use_vllm = config.backend == "vllm" or (config.backend == "auto" and vllm_available())
-    if config.backend == "vllm" and not vllm_available():
-        raise RuntimeError("backend 'vllm' needs the vllm package and a CUDA GPU")
+    check_backend(config.backend)
     results = []
     for path in models:
         if use_vllm:

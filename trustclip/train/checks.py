@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trustclip.data.loaders import BUILTIN_PREFIX, parse_benchmark_spec
-from trustclip.train.config import TrainConfig, changed_settings, get_dotted, yaml_load
+from trustclip.files import read_json
+from trustclip.train.config import TrainConfig, changed_settings, get_dotted, read_run_config
 
 
 def check_run(config: TrainConfig) -> None:
@@ -37,12 +38,14 @@ def check_run(config: TrainConfig) -> None:
     if "rl" in stages:
         check_source(config.data.train, "data.train")
     if evaluates:
-        check_benchmarks(config.data.eval)
+        check_benchmarks(config.data.eval, config)
+        check_evaluation(config)
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
             _trl_check("sft", lambda: _stages().sft_config(config, Path(scratch)))
         if "rl" in stages:
             check_objective(config)
+            check_trl_kwargs(config)
             _trl_check("rl", lambda: _stages().grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
@@ -73,7 +76,11 @@ def check_output_dir(config: TrainConfig) -> None:
     saved = out / "config.yaml"
     if not saved.is_file():
         raise FileNotFoundError(f"resume: {out} holds no run to resume ({saved} is missing)")
-    data = yaml_load(saved.read_text(encoding="utf-8"))
+    data = read_run_config(saved, "resume")
+    state = out / "state.json"
+    if state.is_file() and not isinstance(read_json(state), dict):
+        raise ValueError(f"resume: {state} (which stages finished) is not readable JSON; restore it, or delete it to "
+                         "redo every stage of the run")
     changed = changed_settings(config, data)
     if changed:
         now, before = config.to_dict(), data
@@ -159,8 +166,10 @@ def check_source(source: str, option: str) -> None:
     _check_hub_id(source, option, "dataset")
 
 
-def check_benchmarks(specs: list[str]) -> None:
-    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2), with distinct names."""
+def check_benchmarks(specs: list[str], config: TrainConfig | None = None) -> None:
+    """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2[&FIELD=...]), with distinct names.
+    A filter is applied to the rows of a local file (and, given `config`, of a built-in split) here, so that a value
+    no row has fails now, not after SFT."""
     names: list[str] = []
     for spec in specs:
         try:
@@ -170,9 +179,34 @@ def check_benchmarks(specs: list[str]) -> None:
         for bench in benches:
             check_source(bench.source, f"data.eval ({spec})")
             names.append(bench.name)
+            if bench.filters:
+                _check_filter(bench, config)
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")
+
+
+def _check_filter(bench: Any, config: TrainConfig | None) -> None:
+    """The rows a benchmark's filter keeps, from a local file or (with `config`) a built-in split; hub datasets are
+    filtered when they are loaded."""
+    from trustclip.data.loaders import load_prompts, select_rows
+
+    try:
+        if bench.source.startswith(BUILTIN_PREFIX):
+            if config is None:
+                return
+            from trustclip.train.data import load_rows
+
+            rows = load_rows(bench.source, config, split=config.data.eval_split)
+        elif Path(bench.source).expanduser().is_file():
+            keys = {} if config is None else {"problem_key": config.data.problem_key,
+                                              "answer_key": config.data.answer_key}
+            rows = load_prompts(Path(bench.source).expanduser(), **keys)
+        else:
+            return
+        select_rows(rows, bench)
+    except ValueError as err:  # a DataFormatError too
+        raise ValueError(f"data.eval: {err}") from None
 
 
 def check_objective(config: TrainConfig) -> None:
@@ -193,11 +227,57 @@ def check_objective(config: TrainConfig) -> None:
                          f"{', '.join(ADVANTAGE_ESTIMATORS)}")
 
 
+def check_trl_kwargs(config: TrainConfig) -> None:
+    """rl.trl_kwargs holds none of TRL's loss options: the rl section's objective, aggregation and advantage
+    estimator replace TRL's loss, so each is refused with the rl settings that compute what it means in TRL."""
+    from trustclip.trainers.trl_options import OPTIONS, spelled, translate
+
+    for key, value in config.rl.trl_kwargs.items():
+        if key in NOT_APPLICABLE_HERE and value != NOT_APPLICABLE_HERE[key][0]:
+            raise ValueError(f"rl.trl_kwargs.{key}={value!r}: {NOT_APPLICABLE_HERE[key][1]}")
+    weights = config.rl.trl_kwargs.get("reward_weights")
+    if weights is not None and not (isinstance(weights, list) and len(weights) == 1):
+        raise ValueError(f"rl.trl_kwargs.reward_weights={weights!r}: trustclip train has one reward function (the "
+                         "verified answer), so give one weight, or none")
+    given = {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}
+    if not given:
+        return
+    try:
+        equivalent = translate(given)
+    except ValueError as err:
+        raise ValueError(f"rl.trl_kwargs: {err}") from None
+    raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
+                     f"replaces; set {equivalent.as_settings('rl.')} instead")
+
+
+# TRL options that trustclip train's pipeline leaves without effect, or that fail only when RL starts: (the value that
+# changes nothing, what to use instead).
+NOT_APPLICABLE_HERE = {
+    "chat_template_kwargs": (None, "the RL prompts are written before TRL sees them (data.prompt_style, "
+                                   "data.system_prompt), so TRL's chat template options would be ignored"),
+    "eval_strategy": ("no", "trustclip train evaluates the held-out benchmarks with rl.eval_every (TRL's own eval "
+                            "loop has no eval dataset here)"),
+    "do_eval": (False, "trustclip train evaluates the held-out benchmarks with rl.eval_every"),
+    "resume_from_checkpoint": (None, "continue a run with --resume (its own config.yaml and last checkpoint)"),
+}
+
+
+def check_evaluation(config: TrainConfig) -> None:
+    """`trustclip train` evaluates the model in memory with HF generate: eval.backend=vllm (which `trustclip eval`
+    honours) would be ignored here, so it is refused."""
+    if config.eval.backend == "vllm":
+        raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; set "
+                         "eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval --backend "
+                         "vllm --model RUN/rl/final`")
+
+
 def _trl_check(section: str, build: Any) -> None:
     try:
         build()
     except TypeError as err:  # an unknown keyword: from rl.trl_kwargs
         raise ValueError(f"{section}.trl_kwargs: {err}") from None
+    except ImportError as err:  # e.g. a deepspeed config without deepspeed
+        raise ValueError(f"{section}.trl_kwargs: a package is missing: {' '.join(str(err).split())}") from None
     except ValueError as err:
         raise ValueError(f"{section} (as TRL checks it): {err}") from None
 

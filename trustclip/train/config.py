@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 
 from trustclip.evaluation.evaluator import EvalArgs
+from trustclip.models import TinyModelConfig
 from trustclip.rewards import DEFAULT_TIMEOUT
 
 STAGES = ("sft", "rl", "eval")
@@ -65,8 +66,10 @@ class ModelArgs:
     name_or_path: StrictStr = _f("builtin:tiny", "Hub id, local checkpoint, or `builtin:tiny` (cached tiny Qwen3).")
     dtype: StrictStr = _f("auto", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
     trust_remote_code: StrictBool = _f(False, "Passed to from_pretrained.")
-    tiny: dict[str, Any] = _f({"num_layers": 2}, "Shape of builtin:tiny (build_tiny_model kwargs, e.g. "
-                              "{hidden_size: 128}); each shape is built once and cached.")
+    # builtin:tiny's own layer count, stated (a run's config records it; compare fingerprints hash it)
+    tiny: dict[str, Any] = _f({"num_layers": TinyModelConfig.num_layers}, "Shape of builtin:tiny (build_tiny_model "
+                              "kwargs, e.g. {hidden_size: 128}; unset keys: builtin:tiny's own shape); each shape is "
+                              "built once and cached.")
     lora: StrictBool = _f(False, "Train a LoRA adapter (peft) instead of all weights, in SFT and RL.")
     lora_r: StrictInt = _f(32, "LoRA rank.")
     lora_alpha: StrictInt = _f(64, "LoRA alpha.")
@@ -184,7 +187,9 @@ class SFTArgs(OptimizerArgs):
                   per_device_train_batch_size=256, gradient_accumulation_steps=1)
 class RLArgs(OptimizerArgs):
     objective: StrictStr = _f("kl3", "Objective (see `trustclip objectives`); kl3 = ATR-GRPO.")
-    objective_kwargs: dict[str, Any] = _f({"delta": 0.07}, "Objective hyper-parameters, e.g. {delta: 0.07}.")
+    objective_kwargs: dict[str, Any] = _f({"delta": 0.07}, "Objective hyper-parameters, e.g. {delta: 0.07}; a recipe "
+                                          "or --set that names rl.objective without them gives that objective's own "
+                                          "defaults.")
     aggregation: StrictStr = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
                                 "seq_mean_token_mean or seq_mean_token_sum.")
     advantage_estimator: StrictStr = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
@@ -387,7 +392,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ValueError(f"--set {text!r}: value is not valid YAML ({err})") from None
+        raise ValueError(f"--set {text!r}: value is not valid YAML ({' '.join(str(err).split())})") from None
     return key, value
 
 
@@ -404,10 +409,11 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     try:
         data = yaml_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: invalid YAML ({err})") from None
+        raise ValueError(f"{path}: invalid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of options at the top level, got {type(data).__name__}")
     data.pop("description", None)  # free text for humans
+    own_objective_defaults(data)
     base = data.pop("base", None)
     if base is None:
         return data
@@ -429,18 +435,39 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 REPLACED_MAPPINGS = ("objective_kwargs", "trl_kwargs")
 
 
+def own_objective_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A layer of settings (a recipe file, a `--set`) that names `rl.objective` without `rl.objective_kwargs` means
+    that objective at its own defaults: the kwargs of the objective it replaces (the embedded default's delta 0.07,
+    a base recipe's) do not carry over."""
+    rl = data.get("rl")
+    if isinstance(rl, dict) and "objective" in rl and "objective_kwargs" not in rl:
+        rl["objective_kwargs"] = {}
+    return data
+
+
 def explicit_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
-                      objective: str | None = None, **top_level: Any) -> dict[str, Any]:
-    """What a command line states, as a nested dict (no defaults): the recipe; then `objective` (rl.objective, with
-    its hyper-parameters back to the objective's own defaults); then the `--set` overrides (so that
-    `--set rl.objective_kwargs.delta=0.1` applies to the new objective); then explicit top-level values (dotted
-    keys, e.g. output_dir=...; None means not given)."""
+                      objective: str | None = None, reset_objective_kwargs: bool = True,
+                      **top_level: Any) -> dict[str, Any]:
+    """What a command line states, as a nested dict (no defaults): the recipe; then `objective` or `--set
+    rl.objective=NAME` (the same: rl.objective, with its hyper-parameters back to the objective's own defaults unless
+    `reset_objective_kwargs` is False, as on resume); then the other `--set` overrides (so that
+    `--set rl.objective_kwargs.delta=0.1` applies to the new objective, in any order); then explicit top-level values
+    (dotted keys, e.g. output_dir=...; None means not given)."""
     data = load_yaml(path) if path else {}
+    parsed = [parse_override(text) for text in overrides]
+    named = [value for key, value in parsed if key == "rl.objective"]
+    if named and objective is not None and any(value != objective for value in named):
+        raise ValueError(f"--objective {objective} and --set rl.objective={named[-1]} name two objectives; give one")
+    objective = named[-1] if named else objective
     if objective is not None:
         set_dotted(data, "rl.objective", objective)
-        set_dotted(data, "rl.objective_kwargs", {})
-    for text in overrides:
-        set_dotted(data, *parse_override(text))
+        if reset_objective_kwargs:
+            set_dotted(data, "rl.objective_kwargs", {})
+    for key, value in parsed:
+        if key != "rl.objective":
+            set_dotted(data, key, value)
+            if key == "rl" and isinstance(value, dict):  # --set 'rl={objective: X}': X at its own defaults too
+                own_objective_defaults(data)
     for key, value in top_level.items():
         if value is not None:
             set_dotted(data, key, value)
@@ -464,7 +491,7 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
                                 "one, or give the run's --output-dir)")
     if not saved_path.is_file():
         raise FileNotFoundError(f"--resume: {out} holds no trustclip run ({saved_path.name} is missing)")
-    saved = yaml_load(saved_path.read_text(encoding="utf-8"))
+    saved = read_run_config(saved_path, "--resume")
     saved_config = from_dict(TrainConfig, saved).to_dict()
     # quiet is this command's choice, not the run's
     merged = from_dict(TrainConfig, _merge_all({**saved, "quiet": False}, {**explicit, "resume": True}))
@@ -475,6 +502,27 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
         raise ValueError(f"--resume: {'; '.join(conflicts)} differ from {saved_path}: a resumed run keeps its "
                          "settings; drop the override(s), or start a new run in another --output-dir")
     return merged
+
+
+def read_run_config(path: Path, what: str) -> dict[str, Any]:
+    """A run's saved settings (its config.yaml) as a dict, checked: a file that is not YAML, not a mapping, or holds
+    settings this version rejects is a ValueError naming the file (`what`: the command or option reading it)."""
+    import yaml
+
+    try:
+        data = yaml_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"{what}: {path} is not a readable run configuration ({detail}); restore it from a copy, "
+                         "or start a new run in another output folder") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {path} is not a run configuration (a mapping of options; got "
+                         f"{type(data).__name__}); restore it, or start a new run in another output folder")
+    try:
+        from_dict(TrainConfig, data)
+    except ValueError as err:
+        raise ValueError(f"{what}: {path} holds settings this trustclip rejects: {err}") from None
+    return data
 
 
 def _merge_all(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

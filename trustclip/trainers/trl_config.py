@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from trl import GRPOConfig
@@ -13,9 +14,13 @@ from trl import GRPOConfig
 from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
+from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
+from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
+from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
+from trustclip.trainers.trl_options import translate as translate_trl_options
 
-# TRL's reward scaling that yields each advantage estimator (rloo additionally rescales by G / (G - 1)).
-_SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+_TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
+                  "computes, or refused (trustclip.trainers.trl_options).")
 # truly_ppo: what the generation batch keeps of pi_old per completion token, per `full_kl_storage`
 FULL_KL_STORAGES = ("hidden", "topk")
 GENERATION_DTYPES = ("bfloat16", "float16", "float32")
@@ -23,23 +28,27 @@ GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
-    r"""[`~trl.GRPOConfig`] plus the trustclip objective. TRL's `loss_type`, `epsilon`, `epsilon_high` and
-    `delta` are ignored: the objective and `aggregation` define the loss.
+    r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options
+    (`loss_type`, `epsilon`, `epsilon_high`, `delta`, `sapo_temperature_*`, `vespo_*`, `scale_rewards`) are honoured
+    where they are exactly a trustclip setting (`loss_type="dapo", epsilon_high=0.28` is `clip_higher` with
+    `token_mean`; see `trustclip.trainers.trl_options`) and refused otherwise, also when they contradict an
+    `objective`, `aggregation` or `advantage_estimator` given here. Never ignored.
 
     Parameters:
         objective (`str`, defaults to `"kl3"`):
             Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
-            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...). `atr_adaptive` moves its delta once per
+            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...); unset, the one TRL's loss options spell, else
+            `kl3`. `atr_adaptive` moves its delta once per
             generation batch and needs each optimizer step inside one generation batch (`steps_per_generation x
             num_iterations` a multiple of `gradient_accumulation_steps`; TRL's defaults are).
         objective_kwargs (`dict` or `str`, *optional*):
             Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
         aggregation (`str`, defaults to `"dr_grpo"`):
             `dr_grpo` (sum / (B * L_max), Dr.GRPO), `token_mean` (DAPO), `seq_mean_token_mean` (GRPO) or
-            `seq_mean_token_sum`.
+            `seq_mean_token_sum`; unset, the one of TRL's `loss_type` if given, else `dr_grpo`.
         advantage_estimator (`str`, defaults to `"dr_grpo"`):
             `dr_grpo` (R - group mean), `grpo` (group-standardised, TRL's `scale_rewards="group"`) or `rloo`
-            (leave-one-out baseline). Overrides `scale_rewards`.
+            (leave-one-out baseline); unset, the one of TRL's `scale_rewards` if given, else `dr_grpo`.
         max_len_normalizer (`int`, *optional*):
             L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
         truncated_reward (`float`, *optional*):
@@ -73,15 +82,19 @@ class TrustClipGRPOConfig(GRPOConfig):
             Default: TRL's generation from the policy itself.
     """
 
-    objective: str = field(default="kl3", metadata={"help": "trustclip objective name (see `trustclip objectives`)."})
+    objective: str | None = field(default=None, metadata={"help": "trustclip objective name (see `trustclip "
+                                                                "objectives`); default kl3, or the one TRL's loss "
+                                                                "options spell."})
     objective_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Objective hyper-parameters (dict or JSON string), e.g. '{\"delta\": 0.07}'."}
     )
-    aggregation: str = field(
-        default="dr_grpo", metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)}."}
+    aggregation: str | None = field(
+        default=None, metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)} (default dr_grpo, or "
+                                        "the one of TRL's loss_type)."}
     )
-    advantage_estimator: str = field(
-        default="dr_grpo", metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)}."}
+    advantage_estimator: str | None = field(
+        default=None, metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)} (default "
+                                        "dr_grpo, or the one of TRL's scale_rewards)."}
     )
     max_len_normalizer: int | None = field(
         default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
@@ -105,16 +118,58 @@ class TrustClipGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Sample from a merged copy of the policy in this dtype (bfloat16, float16 or "
                                         "float32), refreshed before each generation (default: the policy itself)."}
     )
+    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
+    loss_type: str | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    epsilon: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    epsilon_high: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    delta: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    sapo_temperature_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    sapo_temperature_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    vespo_k_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    vespo_lambda_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    vespo_k_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    vespo_lambda_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
+    scale_rewards: str | bool | None = field(default=None, metadata={"help": "TRL's reward scaling: unset, the one "
+                                                                             "advantage_estimator needs; given, it "
+                                                                             "chooses the advantage estimator."})
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
             self.bf16 = False  # TRL defaults to bf16, which raises on a CPU-only machine
+        self._resolve_trustclip_options()
+        super().__post_init__()
+        self._check_batches()
+
+    @classmethod
+    def from_grpo_config(cls, args: GRPOConfig, objective: str | None = None) -> TrustClipGRPOConfig:
+        """A TrustClipGRPOConfig with the settings of a built `GRPOConfig` and trustclip's own fields at their
+        defaults. A TRL loss option left at TRL's default stands for nothing (the objective replaces TRL's loss); one
+        changed from it is mapped or refused, as in TrustClipGRPOConfig."""
+        import dataclasses
+
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(args))  # GRPOConfig.__post_init__ has run: its derived values are kept
+        trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+        for f in dataclasses.fields(cls):
+            if f.name not in trl_defaults:
+                setattr(new, f.name, f.default)
+            elif f.name in TRL_OPTIONS and getattr(args, f.name) == trl_defaults[f.name]:
+                setattr(new, f.name, None)
+        new.objective = objective
+        new._resolve_trustclip_options()
+        new._check_batches()
+        return new
+
+    def _resolve_trustclip_options(self) -> None:
+        """TRL's loss options mapped onto (or refused against) objective / aggregation / advantage_estimator, every
+        trustclip field checked, and the TRL options the trainer honours checked where TRL does not."""
         if isinstance(self.objective_kwargs, str):
             try:
                 self.objective_kwargs = json.loads(self.objective_kwargs) if self.objective_kwargs.strip() else {}
             except json.JSONDecodeError as err:
                 raise ValueError(f"objective_kwargs={self.objective_kwargs!r} is not valid JSON: {err}") from None
         self.objective_kwargs = dict(self.objective_kwargs or {})
+        self._apply_trl_loss_options()
         if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
             # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
             get_objective(self.objective, **self.objective_kwargs)
@@ -144,8 +199,38 @@ class TrustClipGRPOConfig(GRPOConfig):
                 f"importance_sampling_level={self.importance_sampling_level!r}: sequence-level ratios are an objective "
                 "in trustclip; use objective='gspo' with importance_sampling_level='token'"
             )
-        self.scale_rewards = _SCALE_REWARDS[self.advantage_estimator]
-        super().__post_init__()
+        check_honoured_trl_options(self)
+        self.scale_rewards = SCALE_REWARDS_OF[self.advantage_estimator]
+
+    def _apply_trl_loss_options(self) -> None:
+        """objective / objective_kwargs / aggregation / advantage_estimator from TRL's loss options where those are
+        given (`translate`); a contradiction with a trustclip field given here is an error naming both."""
+        given = {name: getattr(self, name) for name in TRL_OPTIONS if getattr(self, name) is not None}
+        trl = translate_trl_options(given)
+        loss = spelled({k: v for k, v in given.items() if k in TRL_LOSS_OPTIONS})
+        if trl.objective is not None and self.objective is not None and (
+                get_objective(self.objective).name != get_objective(trl.objective).name):
+            raise ValueError(f"{loss}: TRL's loss options, which are objective {trl.objective!r} "
+                             f"{trl.objective_kwargs} in trustclip, not objective={self.objective!r}; the objective "
+                             "replaces TRL's loss: drop them and set objective_kwargs (or objective="
+                             f"{trl.objective!r}, objective_kwargs={trl.objective_kwargs})")
+        clash = {k: (v, self.objective_kwargs[k]) for k, v in trl.objective_kwargs.items()
+                 if k in self.objective_kwargs and self.objective_kwargs[k] != v}
+        if clash:
+            raise ValueError(f"{loss} and objective_kwargs={self.objective_kwargs} set {', '.join(clash)} to two "
+                             f"values {list(clash.values())}; give each once, in objective_kwargs")
+        for name, option, value in (("aggregation", "loss_type", trl.aggregation),
+                                    ("advantage_estimator", "scale_rewards", trl.advantage_estimator)):
+            mine = getattr(self, name)
+            if value is not None and mine is not None and mine != value:
+                raise ValueError(f"{option}={getattr(self, option)!r} is {name}={value!r} in trustclip, but "
+                                 f"{name}={mine!r} is given; drop {option} and keep {name}")
+        self.objective = self.objective or trl.objective or "kl3"
+        self.objective_kwargs = trl.objective_kwargs | self.objective_kwargs
+        self.aggregation = self.aggregation or trl.aggregation or "dr_grpo"
+        self.advantage_estimator = self.advantage_estimator or trl.advantage_estimator or "dr_grpo"
+
+    def _check_batches(self) -> None:
         generate_every = self.steps_per_generation * self.num_iterations
         if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
             # processes then hold different numbers of rows, and only whole windows have exact counts
@@ -158,6 +243,52 @@ class TrustClipGRPOConfig(GRPOConfig):
             message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
             if message:
                 raise ValueError(message)
+
+
+def check_honoured_trl_options(args: GRPOConfig) -> None:
+    """The TRL options the trainer honours whose values TRL does not check (an out-of-range one would silently turn
+    its feature off or make it meaningless), and the optional packages TRL options need (TRL imports them only when
+    training starts)."""
+    import importlib.util
+
+    quantile = args.top_entropy_quantile
+    if not (_is_number(quantile) and 0.0 <= quantile <= 1.0):
+        raise ValueError(f"top_entropy_quantile={quantile!r} is invalid: must be in [0, 1] (the fraction of tokens "
+                         "kept by entropy; 1 keeps all)")
+    threshold = args.off_policy_mask_threshold
+    if threshold is not None and not (_is_number(threshold) and 0.0 <= threshold < math.inf):
+        raise ValueError(f"off_policy_mask_threshold={threshold!r} is invalid: must be a finite number >= 0 (or None)")
+    for name in ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                 "entropy_target"):
+        value = getattr(args, name)
+        if not (_is_number(value) and math.isfinite(value)):
+            raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
+    for name in ("beta", "entropy_coef_delta"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name}={getattr(args, name)!r} is invalid: must be >= 0")
+    if args.entropy_coef_min > args.entropy_coef_max:
+        raise ValueError(f"entropy_coef_min={args.entropy_coef_min!r} is above entropy_coef_max="
+                         f"{args.entropy_coef_max!r}")
+    for option, module, package in (("use_vllm", "vllm", "vllm"), ("use_liger_kernel", "liger_kernel",
+                                                                    "liger-kernel")):
+        if getattr(args, option, False) and importlib.util.find_spec(module) is None:
+            raise ValueError(f"{option}=True needs the {module} package, which is not installed: pip install "
+                             f"{package}, or set {option}=False")
+    if args.use_vllm and args.vllm_mode == "colocate" and not torch.cuda.is_available():
+        raise ValueError("use_vllm=True with vllm_mode='colocate' needs a CUDA GPU, and this machine has none; set "
+                         "use_vllm=False (or vllm_mode='server' with a vLLM server)")
+    try:
+        from transformers import Trainer
+
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except ImportError as err:  # e.g. optim='adamw_bnb_8bit' without bitsandbytes
+        raise ValueError(f"optim={args.optim!r}: {' '.join(str(err).split())}") from None
+    except (ValueError, TypeError, AttributeError):
+        pass  # optimizers that need the model are checked by transformers when training starts
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def delta_control_error(args: GRPOConfig, objective: str) -> str | None:

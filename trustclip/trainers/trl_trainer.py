@@ -52,7 +52,9 @@ _HEAD_CHUNK_ELEMENTS = 2**23
 class TrustClipGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose policy loss is a trustclip objective.
 
-    Use it like TRL's trainer; pass a [`TrustClipGRPOConfig`] (or a plain `GRPOConfig` plus `objective=`):
+    Use it like TRL's trainer; pass a [`TrustClipGRPOConfig`] (or a plain `GRPOConfig` plus `objective=`: trustclip's
+    own fields at their defaults, TRL loss options changed from TRL's defaults mapped or refused, as
+    `TrustClipGRPOConfig.from_grpo_config` does):
 
         trainer = TrustClipGRPOTrainer(model, reward_funcs=reward, args=TrustClipGRPOConfig(
             output_dir="out", objective="kl3", objective_kwargs={"delta": 0.07}, num_iterations=2),
@@ -63,16 +65,15 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                  objective: str | Objective | None = None, **kwargs: Any) -> None:
         if args is None:
             raise ValueError("TrustClipGRPOTrainer needs args=TrustClipGRPOConfig(...) (or GRPOConfig and objective=)")
-        if isinstance(args, TrustClipGRPOConfig):
-            spec = objective if objective is not None else args.objective
-            hparams = args.objective_kwargs if objective is None or isinstance(objective, str) else {}
-            self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
-            max_len = args.max_len_normalizer
-        else:  # a plain GRPOConfig: TRL's advantages, Dr.GRPO aggregation
+        if not isinstance(args, TrustClipGRPOConfig):  # a plain GRPOConfig: trustclip's own fields at their defaults
             if objective is None:
                 raise ValueError("with a plain GRPOConfig pass objective=NAME (or use TrustClipGRPOConfig)")
-            spec, hparams, max_len = objective, {}, None
-            self.aggregation, self.advantage_estimator = "dr_grpo", None
+            args = TrustClipGRPOConfig.from_grpo_config(
+                args, objective=objective.name if isinstance(objective, Objective) else objective)
+        spec = objective if objective is not None else args.objective
+        hparams = args.objective_kwargs if objective is None or isinstance(objective, str) else {}
+        self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
+        max_len = args.max_len_normalizer
         self._objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
         message = delta_control_error(args, self._objective.name)
         if message:
