@@ -187,8 +187,14 @@ def test_generation_dtype_samples_from_the_copy_and_keeps_the_ratio(tiny, tmp_pa
     copy_model = trainer._sampler.model
     original = copy_model.generate
     copy_model.generate = lambda *a, **k: calls.append(1) or original(*a, **k)
-    first = first_update(trainer)
+    policy_calls = []
+    hook = trainer.model.get_output_embeddings().register_forward_hook(lambda *_: policy_calls.append(1))
+    trainer.train()
+    first = next(h for h in trainer.state.log_history if "loss" in h)
+    hook.remove()
     assert calls, "TRL's generation did not sample from the copy"
+    # the policy's LM head ran only for the scoring and update forwards (fused head: its weight, not its module)
+    assert not policy_calls, "generation ran the policy's forward, not the copy's"
     assert first["objective/ratio_max"] == 1.0 and first["objective/ratio_min"] == 1.0
     assert trainer.model_wrapped is not copy_model
 

@@ -89,6 +89,11 @@ class LowPrecisionCopy:
         if hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
         self.model = self.model.to(dtype).eval().requires_grad_(False)
+        for module in self.model.modules():
+            # The copy runs the model's own forward. A forward patched onto the policy's instance (TRL's fused LM head,
+            # accelerate's autocast) was deep-copied as a closure over the policy's bound forward: it would run the
+            # policy, not the copy.
+            module.__dict__.pop("forward", None)
         self.dtype = dtype
         # torch 2.13's CPU linear with a non-contiguous 3-D bfloat16 input (generate's last-position slice of the
         # prompt's hidden states) copies the LM head once per row: 8.3 s instead of 23 ms for 32 rows of SmolLM2.
