@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer_overhead import digit_fraction  # a dense reward: every row is updated in every configuration alike
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 # name -> overrides of the recipe. "float32" is the recipe without its speed levers (how it ran before them).
@@ -40,11 +42,6 @@ CONFIGS = {
                                   "rl.trl_kwargs={generation_dtype: bfloat16}"],
     "all kept levers (the recipe)": [],
 }
-
-
-def digit_fraction(completions, **_):
-    """A dense reward: every group has variance, so every row is updated in every configuration alike."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 def recipe_config(recipe: str, overrides: list[str], steps: int, out: Path):

@@ -122,12 +122,13 @@ def merged_parameters(model: Any) -> Iterator[tuple[str, Any]]:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # no peft: no adapters
         LoraLayer = ()  # noqa: N806
-    lora = {name for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+    inside = None  # the LoRA layer being walked (named_modules is pre-order: its base layer and adapters follow it)
     for name, module in model.named_modules():
-        if any(name.startswith(f"{layer}.") for layer in lora):
+        if inside is not None and name.startswith(inside):
             continue  # the base layer and the adapters inside a LoRA layer: merged below
         prefix = f"{name}." if name else ""
-        if name in lora:
+        if isinstance(module, LoraLayer):
+            inside = prefix
             base = module.get_base_layer()
             deltas = [module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A]
             yield f"{prefix}weight", base.weight + sum(deltas) if deltas else base.weight

@@ -78,7 +78,7 @@ class EvalConfig(EvalArgs):
     and `rl.reward_timeout`, so a run is evaluated exactly as it was rewarded."""
 
     top_k: int | None = None  # None disables top-k (the paper's -1)
-    bf16: bool = False  # generate from a merged bfloat16 copy (the run's `bf16`, resolved: trustclip.precision)
+    bf16: bool = False  # `evaluate` samples from a merged bfloat16 copy (the run's `bf16`: trustclip.precision)
     prompt_style: str = "auto"  # see trustclip.data.templates
     system_prompt: str | None = None  # None: the chat template's default; "": an empty system turn
     reward_timeout: float = DEFAULT_TIMEOUT
@@ -155,12 +155,6 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
     if do_sample:
         gen_kwargs.update(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0)
     devices = [device.index or 0] if device.type == "cuda" else []
-    if config.bf16:  # sample from a merged bfloat16 copy: no per-step weight casts, no separate LoRA matmuls
-        from trustclip.precision import LowPrecisionCopy
-
-        sampler = LowPrecisionCopy(model, torch.bfloat16).model
-    else:
-        sampler = model
     model.eval()
     try:
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
@@ -170,7 +164,7 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
                     batch = jobs[start : start + config.batch_size]
                     enc = tokenizer([p for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
                     enc = {k: v.to(device) for k, v in enc.items()}
-                    out = sampler.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id)
+                    out = model.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id)
                     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                     for (i, _), text in zip(batch, texts, strict=True):
                         outputs[i].append(text)
@@ -249,6 +243,13 @@ def evaluate(
         raise ValueError("no benchmarks to evaluate")
     t0 = time.perf_counter()
     metrics, curves, samples = {}, {}, {}
+    sampler = model
+    if config.bf16 and generate_fn is None:  # one merged bfloat16 copy to sample from, for every benchmark
+        import torch
+
+        from trustclip.precision import LowPrecisionCopy
+
+        sampler = LowPrecisionCopy(model, torch.bfloat16).model
     for name, rows in benchmarks.items():
         if not rows:
             raise ValueError(f"benchmark {name!r} has no rows")
@@ -259,7 +260,7 @@ def evaluate(
         if generate_fn is not None:
             completions = generate_fn(prompts)
         else:
-            completions = generate_hf(model, tokenizer, prompts, config, desc=name)
+            completions = generate_hf(sampler, tokenizer, prompts, config, desc=name)
         flat = [c for group in completions for c in group]
         answers = [str(r[config.answer_key]) for r, group in zip(rows, completions, strict=True) for _ in group]
         scores = score_completions(flat, answers, timeout=config.reward_timeout, fallback=config.answer_fallback,
