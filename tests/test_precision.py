@@ -204,3 +204,10 @@ def test_generation_dtype_is_checked(tmp_path):
 
     with pytest.raises(ValueError, match="generation_dtype='int8' is invalid"):
         TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_dtype="int8")
+
+
+def test_bf16_in_trl_kwargs_points_to_the_top_level_setting():
+    from trustclip.train.config import load_config
+
+    with pytest.raises(ValueError, match=r"run-wide settings \(bf16: set them at the top level"):
+        load_config(None, ["rl.trl_kwargs={bf16: true}"])

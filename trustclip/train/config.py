@@ -35,6 +35,8 @@ from trustclip.rewards import DEFAULT_TIMEOUT
 STAGES = ("sft", "rl", "eval")
 # Options that say how a run is driven, not what it computes: they may differ when a run is resumed.
 RUN_CONTROL = ("output_dir", "resume", "quiet", "plots", "report_to", "stages")
+# TrainingArguments fields every stage takes from the top level of the config (train/stages.py: _trainer_args).
+RUN_WIDE = ("output_dir", "seed", "report_to", "bf16", "use_cpu")
 # Checked by pydantic in every section: unknown keys are errors, floats must be finite.
 STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
@@ -239,6 +241,9 @@ class RLArgs(OptimizerArgs):
                self.save_total_limit, ">= 1 (or null)")
         own = sorted(set(self.trl_kwargs) & {f.name for f in dataclasses.fields(self)})
         _check(not own, "rl.trl_kwargs", self.trl_kwargs, f"free of rl options ({', '.join(own)}: set rl.<name>)")
+        shared = sorted(set(self.trl_kwargs) & set(RUN_WIDE))  # set once for every stage, at the top level
+        _check(not shared, "rl.trl_kwargs", self.trl_kwargs,
+               f"free of run-wide settings ({', '.join(shared)}: set them at the top level, e.g. --set bf16=true)")
 
 
 @dataclass
