@@ -422,43 +422,105 @@ def test_skip_zero_advantage_fills_whole_slices(tiny, tmp_path):
         trainer.drop_zero_advantage({**output, "pixel_values": torch.zeros(8, 3)})
 
 
+def _same_rows(rows, whole, values):
+    """`values` of `whole`'s rows, in the order of `rows`: each row found by its prompt and completion ids (equal
+    sequences have equal log-probs, so repeated ones may match any copy)."""
+    def key(batch, i):
+        return (tuple(batch["prompt_ids"][i].tolist()), tuple(batch["completion_ids"][i].tolist()))
+
+    index = {key(whole, i): i for i in range(whole["completion_ids"].size(0))}
+    return values[[index[key(rows, i)] for i in range(rows["completion_ids"].size(0))]]
+
+
+def _record_scoring(trainer):
+    """(rows, rows per forward) of every no-gradient log-prob forward the trainer runs (scoring, not the loss)."""
+    rows_scored = []
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def recording_forward(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled() and not trainer._defer_old_logps:
+            rows_scored.append((input_ids.size(0), kwargs.get("batch_size")))
+        return forward(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recording_forward
+    return rows_scored
+
+
+def _whole_batch_logps(trainer, whole):
+    """The old log-probs TRL's own forward gives a whole generation batch (no deferral)."""
+    with torch.no_grad():
+        return trainer._completion_logps(trainer.model, whole, batch_size=whole["completion_ids"].size(0))[0]
+
+
 @pytest.mark.parametrize(("beta", "steps_per_generation"), [(0.0, 1), (0.1, 1), (0.0, 2)])
 def test_skip_zero_advantage_scores_old_logps_on_kept_rows(tiny, tmp_path, beta, steps_per_generation):
     """Old log-probs are computed after the drop, for the kept rows only (beta = 0; with a reference model TRL's
-    forward over the whole batch stays), in steps_per_generation forwards, and equal the whole-batch forward's rows."""
+    forward over the whole batch stays), one forward per slice, and equal the whole-batch forward's rows."""
     def reward(completions, prompts, **kwargs):  # only the 3+4 group can have non-zero advantages
         return [digit_reward([c])[0] if "3+4" in p else 1.0 for c, p in zip(completions, prompts, strict=True)]
 
     spg = steps_per_generation
     trainer = make_trainer(tiny, tmp_path, reward=reward, skip_zero_advantage=True, beta=beta, seed=1,
                            per_device_train_batch_size=8 // spg, steps_per_generation=spg)
-    rows_scored = []
-    forward = trainer._get_per_token_logps_and_entropies
-
-    def recording_forward(model, input_ids, *args, **kwargs):
-        if not torch.is_grad_enabled() and not trainer._defer_old_logps:
-            rows_scored.append((input_ids.size(0), kwargs.get("batch_size")))  # (rows, rows per forward)
-        return forward(model, input_ids, *args, **kwargs)
-
+    rows_scored = _record_scoring(trainer)
     before_drop = []
     drop = trainer.drop_zero_advantage
-    trainer._get_per_token_logps_and_entropies = recording_forward
     trainer.drop_zero_advantage = lambda output: drop(before_drop.append(output) or output)
     trainer.model.train()
-    batch = [{"prompt": p} for p in PROMPTS[:2] for _ in range(4)]
-    out = trainer._generate_and_score_completions(batch)
-    kept = out["completion_ids"].size(0)
+    trainer._prepare_inputs([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    slices = trainer._buffered_inputs
+    kept = sum(piece["completion_ids"].size(0) for piece in slices)
     assert 0 < kept < 8, "the test needs a batch with dropped rows"
     # beta > 0: old and reference log-probs over the whole batch, as TRL computes them
-    assert rows_scored == ([(kept, kept // spg)] if beta == 0 else [(8, 8 // spg)] * 2)
+    assert rows_scored == ([(kept // spg, kept // spg)] * spg if beta == 0 else [(8, 8 // spg)] * 2)
     (whole,) = before_drop
-    informative_rows = whole["advantages"].nonzero().flatten()  # kept, in order (spg = 2 may add a filler)
-    informative_out = out["advantages"].nonzero().flatten()
-    assert torch.equal(out["completion_ids"][informative_out], whole["completion_ids"][informative_rows])
-    whole_batch_logps = trainer._old_logps(whole)  # the forward TRL runs without the deferral: all 8 rows
-    assert torch.isfinite(out["old_per_token_logps"]).all()
-    torch.testing.assert_close(out["old_per_token_logps"][informative_out], whole_batch_logps[informative_rows],
-                               rtol=1e-5, atol=1e-6)
+    whole_batch_logps = _whole_batch_logps(trainer, whole)  # the forward TRL runs without the deferral: all 8 rows
+    for piece in slices:
+        informative = piece["advantages"].nonzero().flatten()  # spg = 2 may add a zero-advantage filler
+        assert torch.isfinite(piece["old_per_token_logps"]).all()
+        torch.testing.assert_close(piece["old_per_token_logps"][informative],
+                                   _same_rows(piece, whole, whole_batch_logps)[informative], rtol=1e-5, atol=1e-6)
+
+
+def test_slices_used_before_the_next_update_are_not_scored(tiny, tmp_path):
+    """One generation batch over two optimizer steps (num_iterations 1, steps_per_generation 4, accumulation 2): the
+    two slices of the first step are on-policy (no old log-probs, no scoring forward; the loss's ratio is exactly 1),
+    the two of the second step get the sampling model's log-probs, as TRL's whole-batch forward gives them."""
+    trainer = make_trainer(tiny, tmp_path, num_iterations=1, steps_per_generation=4, gradient_accumulation_steps=2,
+                           per_device_train_batch_size=2, seed=1)
+    rows_scored = _record_scoring(trainer)
+    generated = []
+    generate = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda batch: generated.append(generate(batch)) or generated[-1]
+    trainer.model.train()
+    trainer._prepare_inputs([{"prompt": p} for p in PROMPTS[:2] for _ in range(4)])
+    slices = trainer._buffered_inputs
+    assert [("old_per_token_logps" in piece) for piece in slices] == [False, False, True, True]
+    assert rows_scored == [(2, 2), (2, 2)]
+    (whole,) = generated
+    reference = _whole_batch_logps(trainer, whole)
+    for piece in slices[2:]:
+        torch.testing.assert_close(piece["old_per_token_logps"], _same_rows(piece, whole, reference),
+                                   rtol=1e-5, atol=1e-6)
+    trainer.current_gradient_accumulation_steps = 2  # set by transformers' training loop
+    trainer.compute_loss(trainer.model, slices[0])
+    ratios = trainer._metrics["train"]
+    assert ratios["objective/ratio_min"][-1] == ratios["objective/ratio_max"][-1] == 1.0
+
+
+@pytest.mark.parametrize(("micro_step", "spg", "accumulation", "iterations", "on_policy"), [
+    (0, 4, 2, 1, [True, True, False, False]),  # two optimizer steps per generation batch
+    (0, 2, 2, 1, [True, True]),  # one optimizer step per generation batch: all on-policy (TRL scores none)
+    (0, 2, 2, 2, [False, False]),  # each slice is used again after the update
+    (0, 4, 3, 1, [True, True, True, False]),  # the update after micro-step 2 comes before slice 3's use
+    (4, 4, 3, 1, [True, True, False, False]),  # generated at micro-step 4: slices 0, 1 (steps 4, 5) before the update
+    (0, 1, 1, 1, [True]),
+])
+def test_on_policy_slices_follow_the_schedule(micro_step, spg, accumulation, iterations, on_policy):
+    from trustclip.trainers.step_counts import StepCounts
+
+    counts = StepCounts(steps_per_generation=spg, gradient_accumulation_steps=accumulation, num_iterations=iterations)
+    assert counts.on_policy_slices(micro_step) == on_policy
 
 
 def test_skip_zero_advantage_trains(tiny, tmp_path):

@@ -26,6 +26,13 @@ def prompt_and_completion(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.T
             torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
 
 
+def row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """`inputs` cut into consecutive slices of `size` completions (the tensors the forward reads)."""
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    total = inputs["completion_ids"].size(0)
+    return [{key: inputs[key][start:start + size] for key in keys} for start in range(0, total, size)]
+
+
 def causal_lm(model: Any, unwrap: Any = lambda m: m) -> Any:
     """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
     inner = unwrap(model)

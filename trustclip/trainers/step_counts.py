@@ -24,6 +24,7 @@ class StepCounts:
 
     def __init__(self, *, steps_per_generation: int, gradient_accumulation_steps: int, num_iterations: int) -> None:
         self.steps_per_generation, self.accumulation = steps_per_generation, gradient_accumulation_steps
+        self.generate_every = steps_per_generation * num_iterations
         # exact per-step counts need each accumulation window inside one generation batch
         self.exact = (steps_per_generation * num_iterations) % gradient_accumulation_steps == 0
         self.slices: list[tuple[float, float]] | None = None
@@ -33,6 +34,18 @@ class StepCounts:
         tokens = torch.stack([loss_mask(b).sum() for b in slices]).float()  # stays on device: one sync, below
         sequences = torch.tensor([float(b["completion_ids"].size(0)) for b in slices], device=tokens.device)
         self.slices = [tuple(c) for c in sum_over_processes(torch.stack([tokens, sequences], dim=1)).tolist()]
+
+    def on_policy_slices(self, micro_step: int) -> list[bool]:
+        """For each slice of a generation batch made at training micro-step `micro_step`: True when it is used only
+        before the next optimizer update, so the policy that sampled it is the one being trained (ratio exactly 1).
+
+        TRL regenerates at multiples of steps_per_generation x num_iterations (or when its buffer is empty, on a
+        resume) and uses slice `s % steps_per_generation` at micro-step s; the optimizer steps after every
+        `gradient_accumulation_steps` micro-steps."""
+        next_generation = (micro_step // self.generate_every + 1) * self.generate_every
+        next_update = (micro_step // self.accumulation + 1) * self.accumulation
+        used_later = {s % self.steps_per_generation for s in range(next_update, next_generation)}
+        return [j not in used_later for j in range(self.steps_per_generation)]
 
     def window(self, micro_step: int, accumulation: int) -> tuple[float, float] | None:
         """(valid tokens, sequences) of the optimizer step of training micro-batch `micro_step`, every process, when

@@ -36,7 +36,7 @@ from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.delta_control import DeltaControlCallback
-from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion
+from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
 from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
 from trustclip.trainers.step_counts import StepCounts
 from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, on_policy_warning
@@ -85,6 +85,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if self._delta_callback is not None:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
+        self._score_later = False  # its slices' old log-probs are due when TRL buffers them (`_score_old_logps`)
         super().__init__(model, reward_funcs, args, **kwargs)
         check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
@@ -118,11 +119,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         skip = self.skip_zero_advantage and self.model.training
         full_kl = "full_kl" in self.objective.requires
-        # With the skip, the old log-probs are needed for the kept rows only: TRL's forward over the whole generation
-        # batch is deferred until after the drop. truly_ppo's old pass (below) yields them too. Only when it is the
-        # sole scoring forward (no reference model, no vLLM importance-sampling correction, which uses them before
-        # the rewards).
-        deferred = (skip or full_kl) and self.args.beta == 0.0 and not (
+        # TRL's old-log-prob forward over the whole batch waits (`_score_old_logps`; truly_ppo's old pass, below)
+        # unless a reference model or vLLM's importance-sampling correction needs it before the rewards.
+        deferred = (self.model.training or full_kl) and self.args.beta == 0.0 and not (
             self.args.use_vllm and self.args.vllm_importance_sampling_correction)
         self._defer_old_logps = deferred
         try:
@@ -135,23 +134,27 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             output["advantages"] = output["advantages"] * (group / (group - 1))
         if skip:
             output = self.drop_zero_advantage(output)
+        self._score_later = deferred and not full_kl and "old_per_token_logps" in output
         if full_kl and "old_per_token_logps" in output:
             # pi_old's log-probs and what the KL needs of it, from the code path that scores the current policy
             # (ratio 1 exactly before the first update)
             output["old_per_token_logps"], stored = self._old_policy(output)
             output |= stored
-        elif deferred and "old_per_token_logps" in output:
-            output["old_per_token_logps"] = self._old_logps(output)
         return output
 
-    def _old_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        """Log-probs of the completions under the model that sampled them (no update since): TRL's scoring forward.
-
-        The kept rows are a multiple of steps_per_generation, so every process runs steps_per_generation forwards
-        (sharded engines such as ZeRO-3 need the same count everywhere), each of at most a micro-batch."""
-        chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
+    def _score_old_logps(self, slices: list[dict[str, Any]]) -> None:
+        """Old log-probs of a new generation batch's (kept) rows, by TRL's shuffled slices, from the model that sampled
+        them. A slice used only before the next update gets none: the loss takes the current ones (ratio exactly 1, as
+        TRL does when a whole batch is on-policy). One forward per other slice, alike on every process (ZeRO-3)."""
+        self._score_later = False
+        on_policy = self._step_counts.on_policy_slices(self._step)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            return self._completion_logps(self.model, output, batch_size=chunk)[0]
+            for piece, fresh in zip(slices, on_policy, strict=True):
+                if fresh:
+                    del piece["old_per_token_logps"]
+                else:
+                    piece["old_per_token_logps"] = self._completion_logps(
+                        self.model, piece, batch_size=piece["completion_ids"].size(0))[0]
 
     def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
         """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`; see
@@ -186,6 +189,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if self.model.training and self._buffered_inputs is not self._buffer_seen:
             self._buffer_seen = self._buffered_inputs
             self.count_slices(self._buffered_inputs)
+            if self._score_later:
+                self._score_old_logps(self._buffered_inputs)
         return inputs
 
     def count_slices(self, slices: list[dict[str, Any]]) -> None:
@@ -363,11 +368,11 @@ class TrustClipGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
     def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """pi_old's log-probs of the completions and what the loss needs of its full distribution per position (no
-        gradient; `full_kl_storage`), in the same micro-batch forwards as `_old_logps`."""
+        gradient; `full_kl_storage`), in steps_per_generation forwards of at most a micro-batch."""
         chunk = max(1, output["completion_ids"].size(0) // self.args.steps_per_generation)
         logps, stored = [], []
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            for rows in _row_slices(output, chunk):
+            for rows in row_slices(output, chunk):
                 logp, _, kept = self._full_vocab_forward(self.model, rows, keep=True)
                 logps.append(logp)
                 stored.append(kept)
@@ -385,13 +390,6 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._delta_callback is not None and checkpoint is not None:
             self._delta_callback.load(checkpoint, self._objective.name)
-
-
-def _row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
-    """`inputs` cut into consecutive slices of `size` completions (the tensors the forward reads)."""
-    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-    total = inputs["completion_ids"].size(0)
-    return [{key: inputs[key][start:start + size] for key in keys} for start in range(0, total, size)]
 
 
 def _one_token_mask(mask: torch.Tensor) -> torch.Tensor:
