@@ -1,5 +1,5 @@
-"""One RL optimizer step of the SmolLM2 recipe on this machine: float32 (as before mixed precision) against each
-speed lever and all the kept ones together (a benchmark, not a test).
+"""One RL optimizer step of the SmolLM2 recipe on this machine: float32 (as before mixed precision), then each kept
+speed lever added in turn, the last row being the recipe itself (a benchmark, not a test).
 
     python benchmarks/real_model_step.py [--recipe recipes/smollm2_arith.yaml] [--steps 4] [--rounds 2]
 
@@ -11,7 +11,9 @@ configurations are interleaved round by round so drifting machine load hits all 
 
 Per configuration it prints the median seconds per optimizer step, split into generation (TRL's
 `_generate_single_turn`), the scoring forward (the old log-probs, no gradient) and the update (forward + backward +
-optimizer), the ratio to float32, and peak RSS. Then the generation levers one by one (32 x L tokens: autocast, a
+optimizer), the ratio to float32, and peak RSS. Every configuration but the recipe scores every slice of a
+generation batch, as TRL does; the recipe's trainer skips the scoring forward of the slices used only before the next
+optimizer update (their ratio is exactly 1). Then the generation levers one by one (32 x L tokens: autocast, a
 merged bfloat16 copy, a static KV cache, half batches, the prompt's prefill share) and the bf16 log-prob error per
 token on real SmolLM2 completions (the trainer's path: autocast body, float32 LM head and log-softmax; and the
 bfloat16 sampling copy's).
@@ -32,17 +34,19 @@ from trainer_overhead import digit_fraction  # a dense reward: every row is upda
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-# name -> overrides of the recipe. "float32" is the recipe without its speed levers (how it ran before them).
+# name -> overrides of the recipe, each lever added to the ones above it. "float32" is the recipe without its speed
+# levers (how it ran before them).
 FLOAT32 = ["bf16=false", "data.system_prompt=null", "rl.trl_kwargs={}"]
 CONFIGS = {
     "float32": FLOAT32,
-    "bf16 autocast": [*FLOAT32[1:], "bf16=true"],
-    "bf16 + empty system prompt": ["rl.trl_kwargs={}", "bf16=true", "data.system_prompt=''"],
-    "bf16 + bf16 sampling copy": ["data.system_prompt=null", "bf16=true",
-                                  "rl.trl_kwargs={generation_dtype: bfloat16}"],
-    "all kept levers (the recipe)": [],
+    "+ bf16 autocast": [*FLOAT32[1:], "bf16=true"],
+    "+ empty system prompt": ["rl.trl_kwargs={}", "bf16=true", "data.system_prompt=''"],
+    "+ bf16 sampling copy": [],
+    "+ on-policy slices unscored": [],  # = the recipe, with every kept lever
 }
-
+# Configurations that score every slice of a generation batch, as TRL does (before the trainer skipped the scoring
+# forward of the slices used only before the next optimizer update).
+SCORE_EVERY_SLICE = set(list(CONFIGS)[:-1])
 
 def recipe_config(recipe: str, overrides: list[str], steps: int, out: Path):
     from trustclip.train.config import load_config
@@ -87,6 +91,8 @@ def worker(name: str, recipe: str, steps: int, threads: int, scratch: Path) -> d
     args = grpo_config(config, scratch / "rl")
     trainer = TrustClipGRPOTrainer(model, reward_funcs=digit_fraction, args=args, processing_class=tokenizer,
                                    train_dataset=rl_dataset(config, tokenizer), peft_config=lora_config(config))
+    if name in SCORE_EVERY_SLICE:
+        trainer._step_counts.on_policy_slices = lambda _step: [False] * args.steps_per_generation
     timer = Timer()
     trainer._generate_single_turn = timer.wrap("generation", trainer._generate_single_turn)
     scoring = trainer._get_per_token_logps_and_entropies
@@ -252,12 +258,12 @@ def main() -> None:
                 print(f"  round {round_}: {name}: {results[name][-1]['step_s']:.1f} s/step", flush=True)
         base = statistics.median(r["step_s"] for r in results["float32"])
         print("\nRL optimizer step, median over rounds (seconds; ratio = step / float32 step):")
-        print(f"{'configuration':32s} {'step':>7s} {'gen':>7s} {'score':>7s} {'update':>7s} {'ratio':>6s} "
+        print(f"{'configuration':30s} {'step':>7s} {'gen':>7s} {'score':>7s} {'update':>7s} {'ratio':>6s} "
               f"{'prompt':>6s} {'peak RSS':>9s}")
         for name, runs in results.items():
             med = {k: statistics.median(r[k] for r in runs) for k in ("step_s", "generation_s", "scoring_s",
                                                                      "update_s", "peak_rss_gib")}
-            print(f"{name:32s} {med['step_s']:7.2f} {med['generation_s']:7.2f} {med['scoring_s']:7.2f} "
+            print(f"{name:30s} {med['step_s']:7.2f} {med['generation_s']:7.2f} {med['scoring_s']:7.2f} "
                   f"{med['update_s']:7.2f} {med['step_s'] / base:6.3f} {runs[0]['prompt_tokens']:6d} "
                   f"{med['peak_rss_gib']:7.2f} GiB")
     if "generation" in sections:
