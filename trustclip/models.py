@@ -115,20 +115,13 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def build_tiny_model(
-    path: str | os.PathLike | None = None,
-    *,
-    hidden_size: int = TinyModelConfig.hidden_size,
-    num_layers: int = TinyModelConfig.num_layers,
-    num_heads: int = TinyModelConfig.num_heads,
-    num_kv_heads: int = TinyModelConfig.num_kv_heads,
-    head_dim: int = TinyModelConfig.head_dim,
-    intermediate_size: int = TinyModelConfig.intermediate_size,
-    max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
-    seed: int = TinyModelConfig.seed,
-    cache_dir: str | os.PathLike | None = None,
-    overwrite: bool = False,
-) -> Path:
+def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int = TinyModelConfig.hidden_size,
+                     num_layers: int = TinyModelConfig.num_layers, num_heads: int = TinyModelConfig.num_heads,
+                     num_kv_heads: int = TinyModelConfig.num_kv_heads, head_dim: int = TinyModelConfig.head_dim,
+                     intermediate_size: int = TinyModelConfig.intermediate_size,
+                     max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
+                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None,
+                     overwrite: bool = False) -> Path:
     """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
 
     With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>` and an existing
@@ -293,14 +286,8 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     return tokenizer
 
 
-def load_model_and_tokenizer(
-    name_or_path: str | os.PathLike,
-    *,
-    device: str | None = None,
-    dtype: Any = None,
-    tokenizer_kwargs: dict[str, Any] | None = None,
-    **model_kwargs: Any,
-) -> tuple[Any, Any]:
+def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: Any = None,
+                             tokenizer_kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`).
 
     The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads

@@ -131,13 +131,8 @@ def _as_problem(logits, old_probs, advantages, state_dist) -> TabularProblem:
     return TabularProblem(*arrays)
 
 
-def random_problem(
-    setting: EventSetting,
-    rng: np.random.Generator,
-    num_states: int = 4,
-    num_actions: int = 6,
-    margin: float = 0.05,
-) -> TabularProblem:
+def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: int = 4, num_actions: int = 6,
+                   margin: float = 0.05) -> TabularProblem:
     """Random pi_old, A ~ N(0, 1), d ~ Dirichlet, and pi_k built from target ratios w(s, a).
 
     Per state, 1..n-2 actions get a ratio inside the event interval, the others inside both clip ranges
@@ -290,14 +285,8 @@ def predicted_logit_difference(
     return setting.sign * eta * problem.state_dist[:, None] * weight * centred
 
 
-def predicted_entropy_difference(
-    problem: TabularProblem,
-    setting: EventSetting,
-    eta: float,
-    form: str = "clip",
-    step: str = "vanilla",
-    formula: str = "first_order",
-) -> np.ndarray:
+def predicted_entropy_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
+                                 step: str = "vanilla", formula: str = "first_order") -> np.ndarray:
     """Theorem 5.2, per state.
 
     "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from Theorem 5.1 (eq. 28 + 29);
@@ -361,15 +350,8 @@ def _collect(setting, etas, seeds, num_states, num_actions, form, step):
     return {k: np.concatenate(v, axis=1) for k, v in out.items()}
 
 
-def theorem_table(
-    delta: float = 0.07,
-    etas=DEFAULT_ETAS,
-    seeds: int = 8,
-    num_states: int = 4,
-    num_actions: int = 6,
-    form: str = "clip",
-    step: str = "vanilla",
-) -> list[TheoryRow]:
+def theorem_table(delta: float = 0.07, etas=DEFAULT_ETAS, seeds: int = 8, num_states: int = 4, num_actions: int = 6,
+                  form: str = "clip", step: str = "vanilla") -> list[TheoryRow]:
     """Exact one-step update vs Theorems 5.1/5.2 for both events, `seeds` random problems each."""
     etas = _check_etas(etas)
     if seeds < 1:
@@ -397,15 +379,8 @@ def theorem_table(
     return rows
 
 
-def entropy_samples(
-    delta: float = 0.07,
-    eta: float = 0.01,
-    seeds: int = 8,
-    num_states: int = 4,
-    num_actions: int = 6,
-    form: str = "clip",
-    step: str = "vanilla",
-) -> dict[str, dict[str, np.ndarray]]:
+def entropy_samples(delta: float = 0.07, eta: float = 0.01, seeds: int = 8, num_states: int = 4, num_actions: int = 6,
+                    form: str = "clip", step: str = "vanilla") -> dict[str, dict[str, np.ndarray]]:
     """Delta H per (seed, state) at one eta: {event: {"exact", "first_order", "paper"}} (scatter plots)."""
     _check_etas([eta])
     samples = {}

@@ -50,17 +50,9 @@ class DataFormatError(ValueError):
     """A data file or record that cannot be used; the message names the file and line (or row)."""
 
 
-def load_prompts(
-    source: str | os.PathLike,
-    *,
-    split: str = "train",
-    subset: str | None = None,
-    problem_key: str = "problem",
-    answer_key: str = "answer",
-    id_key: str = "id",
-    limit: int | None = None,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
+def load_prompts(source: str | os.PathLike, *, split: str = "train", subset: str | None = None,
+                 problem_key: str = "problem", answer_key: str = "answer", id_key: str = "id", limit: int | None = None,
+                 seed: int = 0) -> list[dict[str, Any]]:
     """Load and validate prompt rows from a local file, `builtin:<split>`, or a hub dataset id.
 
     Returns rows `{"id": str, "problem": str, "answer": str, **scalar extra fields}`. `split` and

@@ -48,13 +48,8 @@ def prompt_messages(problem: str, style: str = "auto", tokenizer: Any = None, sy
     return [*messages, {"role": "user", "content": content}]
 
 
-def format_prompt(
-    problem: str,
-    tokenizer: Any = None,
-    style: str = "auto",
-    system_prompt: str | None = None,
-    **chat_kwargs: Any,
-) -> str:
+def format_prompt(problem: str, tokenizer: Any = None, style: str = "auto", system_prompt: str | None = None,
+                  **chat_kwargs: Any) -> str:
     """The prompt string for one problem, through the tokenizer's chat template when it has one.
 
     `chat_kwargs` go to `apply_chat_template` (e.g. `enable_thinking=False` for Qwen3).
@@ -67,15 +62,8 @@ def format_prompt(
     return messages[-1]["content"]
 
 
-def build_prompt_rows(
-    rows: Sequence[dict],
-    tokenizer: Any = None,
-    style: str = "auto",
-    *,
-    conversational: bool = False,
-    system_prompt: str | None = None,
-    **chat_kwargs: Any,
-) -> list[dict[str, Any]]:
+def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = "auto", *, conversational: bool = False,
+                      system_prompt: str | None = None, **chat_kwargs: Any) -> list[dict[str, Any]]:
     """Rows for a TRL GRPO dataset: `{"prompt", "answer", "id"}` (other columns are kept).
 
     With `conversational=True` the prompt is a message list and TRL applies the chat template itself.

@@ -53,17 +53,9 @@ class EvalResult:
         return out | {"samples": self.samples} if with_samples else out
 
 
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    benchmarks: dict[str, Sequence[dict[str, Any]]],
-    config: EvalConfig | None = None,
-    *,
-    model_name: str | None = None,
-    step: int | None = None,
-    verifier: Any = None,
-    generate_fn: Any = None,
-) -> EvalResult:
+def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str, Any]]],
+             config: EvalConfig | None = None, *, model_name: str | None = None, step: int | None = None,
+             verifier: Any = None, generate_fn: Any = None) -> EvalResult:
     """Evaluate an in-memory model on `{name: rows}` (rows have `problem` and `answer`).
 
     Callable from a trainer for periodic eval: the model's train/eval mode, the tokenizer's padding side
@@ -112,14 +104,9 @@ def evaluate(
     return EvalResult(str(name), config, metrics, curves, samples, backend, time.perf_counter() - t0, step)
 
 
-def evaluate_checkpoints(
-    models: Sequence[str],
-    benchmarks: dict[str, Sequence[dict[str, Any]]],
-    config: EvalConfig | None = None,
-    *,
-    device: str | None = None,
-    dtype: Any = None,
-) -> list[EvalResult]:
+def evaluate_checkpoints(models: Sequence[str], benchmarks: dict[str, Sequence[dict[str, Any]]],
+                         config: EvalConfig | None = None, *, device: str | None = None,
+                         dtype: Any = None) -> list[EvalResult]:
     """Evaluate checkpoints (paths or hub ids) in order; the last one is the run's "final" model."""
     from trustclip.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name
 

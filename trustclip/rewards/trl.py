@@ -27,14 +27,8 @@ class CorrectnessReward:
     counters (`reward/timeouts`, `reward/errors`, ...) for the trainer to log.
     """
 
-    def __init__(
-        self,
-        answer_key: str = "answer",
-        timeout: float = DEFAULT_TIMEOUT,
-        fallback: bool = True,
-        verifier: MathVerifier | None = None,
-        name: str = "correctness",
-    ) -> None:
+    def __init__(self, answer_key: str = "answer", timeout: float = DEFAULT_TIMEOUT, fallback: bool = True,
+                 verifier: MathVerifier | None = None, name: str = "correctness") -> None:
         self.answer_key = answer_key
         self.timeout = timeout
         self.fallback = fallback

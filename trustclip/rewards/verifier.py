@@ -257,14 +257,8 @@ def default_verifier() -> MathVerifier:
         return _DEFAULT_VERIFIER
 
 
-def score_completions(
-    completions: Sequence[str],
-    answers: Sequence[str],
-    *,
-    timeout: float = DEFAULT_TIMEOUT,
-    fallback: bool = True,
-    verifier: MathVerifier | None = None,
-) -> list[float]:
+def score_completions(completions: Sequence[str], answers: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+                      fallback: bool = True, verifier: MathVerifier | None = None) -> list[float]:
     """Binary correctness (1.0 / 0.0) of each completion against its reference answer."""
     if len(completions) != len(answers):
         raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")
