@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trustclip.data.templates import PROMPT_STYLE_KEY  # the marker in tokenizer_config.json that picks the prompt
+
 TINY_MODEL_NAME = "builtin:tiny"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 # Every printable ASCII character plus newline: covers the synthetic task, the prompt templates,
@@ -40,8 +42,6 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 # when changing it: the cache key depends on it).
 CHARACTERS = "\n" + "".join(ch for ch in string.printable if ch not in "\t\n\r\x0b\x0c")
 FORMAT_VERSION = 1
-# Marker stored in tokenizer_config.json; `trustclip.data.templates` uses it to pick the short prompt.
-PROMPT_STYLE_KEY = "trustclip_prompt_style"
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -98,13 +98,11 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
-    for ch in CHARACTERS:
-        vocab[ch] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS.values(), *CHARACTERS])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         padding_side="left",  # must go to the constructor: set as an attribute it is not saved
         chat_template=TINY_CHAT_TEMPLATE,
@@ -112,7 +110,6 @@ def build_tokenizer() -> Any:
         **SPECIAL_TOKENS,
         **{PROMPT_STYLE_KEY: "tiny"},
     )
-    return tokenizer
 
 
 def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int = TinyModelConfig.hidden_size,

@@ -136,21 +136,13 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal as JSON values: 1 == 1.0, but neither true == 1 nor "1" == 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
 def _matches(key: str, row_value: Any, wanted: Any) -> bool:
-    """A row's field equals a filter value as JSON values; the fields the loader turns into text (id, problem,
-    answer: a source's 7 is "7") also match a number by its text."""
+    """A row's field equals a filter value as JSON values (1 == 1.0, but neither true == 1 nor "1" == 1); the fields
+    the loader turns into text (id, problem, answer: a source's 7 is "7") also match a number by its text."""
     if key in TEXT_FIELDS and isinstance(row_value, str) and not isinstance(wanted, str):
         return row_value == json.dumps(wanted)
-    return _same_value(row_value, wanted)
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (row_value, wanted))
+    return row_value == wanted and (numbers or type(row_value) is type(wanted))
 
 
 def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[str, Any]]:

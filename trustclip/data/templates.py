@@ -22,7 +22,7 @@ MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answe
 # boxed format from the SFT stage) while every prompt character costs CPU time in SFT, RL and eval.
 TINY_TEMPLATE = "{problem}\n"
 TEMPLATES = {"math": MATH_TEMPLATE, "tiny": TINY_TEMPLATE, "raw": "{problem}"}
-PROMPT_STYLE_KEY = "trustclip_prompt_style"  # same key as trustclip.models writes
+PROMPT_STYLE_KEY = "trustclip_prompt_style"  # a tokenizer_config.json entry naming a style (builtin:tiny: "tiny")
 
 
 def resolve_template(style: str = "auto", tokenizer: Any = None) -> str:
