@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.special import log_softmax, softmax
 
 from trustclip.objectives.bounds import check_delta, kl3_bounds
 
@@ -113,17 +114,12 @@ class TabularProblem:
     @property
     def probs(self) -> np.ndarray:
         """pi_k(a|s) = softmax(theta^k)."""
-        return _softmax(self.logits)
+        return softmax(self.logits, axis=-1)
 
     @property
     def ratios(self) -> np.ndarray:
         """w(s, a) = pi_k(a|s) / pi_old(a|s)."""
         return self.probs / self.old_probs
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
 
 
 def _as_problem(logits, old_probs, advantages, state_dist) -> TabularProblem:
@@ -235,8 +231,7 @@ def surrogate_gradient(
 
 def entropy(logits: np.ndarray) -> np.ndarray:
     """H(theta | s) = -sum_a pi(a|s) log pi(a|s), per state."""
-    log_p = logits - logits.max(-1, keepdims=True)
-    log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_p = log_softmax(logits, axis=-1)
     return -(np.exp(log_p) * log_p).sum(-1)
 
 
