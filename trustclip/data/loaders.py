@@ -194,15 +194,10 @@ def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
 
 def _load_file(path: Path, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        records = _iter_jsonl(path)
-    elif suffix == ".json":
-        records = _iter_json(path)
-    elif suffix == ".parquet":
-        records = _iter_parquet(path)
-    else:
+    reader = {".json": _iter_json, ".parquet": _iter_parquet, **dict.fromkeys(JSONL_SUFFIXES, _iter_jsonl)}.get(suffix)
+    if reader is None:
         raise DataFormatError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
-    rows = [_normalize(rec, where, keys, default_id=f"{path.stem}-{i}") for i, (where, rec) in enumerate(records)]
+    rows = [_normalize(rec, where, keys, default_id=f"{path.stem}-{i}") for i, (where, rec) in enumerate(reader(path))]
     if not rows:
         raise DataFormatError(f"{path}: empty file (no records)")
     return rows
@@ -337,23 +332,16 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     if gsm8k and "solution" not in extras:
         worked = GSM8K_CALCULATOR.sub("", record[answer_key][: gsm8k.start()]).strip()
         extras["solution"] = f"{worked}\nThe final answer is \\boxed{{{answer}}}."
-    return {
-        **extras,
-        "id": str(default_id if rid is None else rid),
-        "problem": problem.strip(),
-        "answer": answer,
-    }
+    return {**extras, "id": str(default_id if rid is None else rid), "problem": problem.strip(), "answer": answer}
 
 
 def _answer_to_str(answer: Any, where: str, key: str) -> str:
     if isinstance(answer, bool):
         raise DataFormatError(f"{where}: field {key!r} must be a string or number, got {answer!r}")
-    if isinstance(answer, float) and answer.is_integer():
-        return str(int(answer))  # e.g. AMC sources store 142.0
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
     if isinstance(answer, float):
-        return _decimal_text(answer)
+        if not math.isfinite(answer):
+            raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
+        return str(int(answer)) if answer.is_integer() else _decimal_text(answer)  # AMC sources store 142.0
     if isinstance(answer, int):
         try:
             return str(answer)

@@ -68,11 +68,9 @@ def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = 
 
     With `conversational=True` the prompt is a message list and TRL applies the chat template itself.
     """
-    out = []
-    for row in rows:
+    def prompt(problem: str) -> Any:
         if conversational:
-            prompt: Any = prompt_messages(row["problem"], style, tokenizer, system_prompt)
-        else:
-            prompt = format_prompt(row["problem"], tokenizer, style, system_prompt, **chat_kwargs)
-        out.append({**row, "prompt": prompt})
-    return out
+            return prompt_messages(problem, style, tokenizer, system_prompt)
+        return format_prompt(problem, tokenizer, style, system_prompt, **chat_kwargs)
+
+    return [{**row, "prompt": prompt(row["problem"])} for row in rows]
