@@ -197,9 +197,8 @@ def counterexample_problem(delta: float = 0.07) -> tuple[TabularProblem, EventSe
     return _as_problem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
 
 
-def surrogate(
-    logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip"
-) -> torch.Tensor:
+def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float],
+              form: str = "clip") -> torch.Tensor:
     """J(theta) = sum_s d(s) sum_a pi_old(a|s) f(w) with f = clip(w, lo, hi) A (eq. 14/15, `form="clip"`)
     or f = min(w A, clip(w, lo, hi) A) (PPO/GRPO min form, `form="ppo"`)."""
     if form not in FORMS:
@@ -213,9 +212,8 @@ def surrogate(
     return (dist * (old * per_token).sum(-1)).sum()
 
 
-def surrogate_gradient(
-    problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip", step: str = "vanilla"
-) -> np.ndarray:
+def surrogate_gradient(problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip",
+                       step: str = "vanilla") -> np.ndarray:
     """Update direction at theta^k: grad J (vanilla PG, eq. 18) or F_s^+ grad_s J per state (natural PG,
     F_s = diag(pi_k) - pi_k pi_k^T is the Fisher matrix of the softmax in the logits)."""
     if step not in STEPS:
@@ -235,9 +233,8 @@ def entropy(logits: np.ndarray) -> np.ndarray:
     return -(np.exp(log_p) * log_p).sum(-1)
 
 
-def exact_differences(
-    problem: TabularProblem, setting: EventSetting, etas, form: str = "clip", step: str = "vanilla"
-) -> tuple[np.ndarray, np.ndarray]:
+def exact_differences(problem: TabularProblem, setting: EventSetting, etas, form: str = "clip",
+                      step: str = "vanilla") -> tuple[np.ndarray, np.ndarray]:
     """theta^ATR - theta^ratio (len(etas), S, n) and H(theta^ATR) - H(theta^ratio) (len(etas), S)
     after one step from theta^k with each clip range."""
     g_atr = surrogate_gradient(problem, setting.atr, form, step)
@@ -269,9 +266,8 @@ def _cov(p: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (p * (x - _expect(p, x)) * (y - _expect(p, y))).sum(-1)
 
 
-def predicted_logit_difference(
-    problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip", step: str = "vanilla"
-) -> np.ndarray:
+def predicted_logit_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
+                               step: str = "vanilla") -> np.ndarray:
     """Theorem 5.1: Delta theta_{s,a} = sign * eta d(s) pi_k(a|s) [v(a) - E_{pi_k} v] (sign -1 for X-, +1
     for X+). For the natural step the pi_k(a|s) factor is absent (defined up to a per-state constant)."""
     p, v = problem.probs, event_advantage(problem, setting, form)
