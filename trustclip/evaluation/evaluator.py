@@ -47,10 +47,10 @@ class EvalResult:
         """`{"eval/<benchmark>/mean@8": ...}` for trainer logging."""
         return {f"{prefix}{b}/{m}": v for b, ms in self.metrics.items() for m, v in ms.items()}
 
-    def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
-        out = {"model": self.model, "step": self.step, "backend": self.backend, "seed": self.config.seed,
-               "elapsed_s": self.elapsed_s, "metrics": self.metrics, "curves": self.curves}
-        return out | {"samples": self.samples} if with_samples else out
+    def to_dict(self) -> dict[str, Any]:
+        """Everything but the samples (`write_report` puts those in samples.jsonl)."""
+        return {"model": self.model, "step": self.step, "backend": self.backend, "seed": self.config.seed,
+                "elapsed_s": self.elapsed_s, "metrics": self.metrics, "curves": self.curves}
 
 
 def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str, Any]]],
