@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trustclip
-from trustclip.evaluation.evaluator import EvalConfig, EvalResult, evaluate, format_table, write_report
+from trustclip.evaluation.config import EvalConfig
+from trustclip.evaluation.evaluator import EvalResult, evaluate
 from trustclip.evaluation.metrics import benchmark_metrics, mean_at_k, metric_curves, pass_at_k
+from trustclip.evaluation.report import format_table, write_report
 
 # --------------------------------------------------------------------------- metrics
 

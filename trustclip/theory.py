@@ -48,33 +48,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.special import log_softmax, softmax
 
 from trustclip.objectives.bounds import check_delta, kl3_bounds
-
-__all__ = [
-    "EVENTS",
-    "FORMS",
-    "STEPS",
-    "DEFAULT_ETAS",
-    "EventSetting",
-    "TabularProblem",
-    "TheoryRow",
-    "event_setting",
-    "random_problem",
-    "counterexample_problem",
-    "surrogate",
-    "surrogate_gradient",
-    "entropy",
-    "exact_differences",
-    "event_advantage",
-    "predicted_logit_difference",
-    "predicted_entropy_difference",
-    "theorem_table",
-    "entropy_samples",
-    "fit_slope",
-    "fit_slopes",
-    "format_table",
-]
 
 EVENTS = ("X-", "X+")
 FORMS = ("clip", "ppo")
@@ -82,9 +58,6 @@ STEPS = ("vanilla", "natural")
 DEFAULT_ETAS = (0.01, 0.03, 0.1, 0.3, 1.0)
 
 
-# --------------------------------------------------------------------------------------------------
-# Clip ranges of the two events
-# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EventSetting:
     """The two clip ranges compared in one event of section 5.1, and the ratio interval of the event."""
@@ -117,9 +90,6 @@ def event_setting(event: str, delta: float = 0.07) -> EventSetting:
     return EventSetting(event, float(delta), (low, high), (low, 1.0 + eps), (1.0 + eps, high))
 
 
-# --------------------------------------------------------------------------------------------------
-# Tabular problem
-# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TabularProblem:
     """theta^k (S, n) logits, pi_old (S, n), A(s, a) (S, n) and the state weights d(s) (S,)."""
@@ -133,14 +103,9 @@ class TabularProblem:
         shape = np.shape(self.logits)
         if len(shape) != 2 or shape[1] < 2:
             raise ValueError(f"logits must have shape (states, actions>=2), got {shape}")
-        for name in ("old_probs", "advantages"):
-            if np.shape(getattr(self, name)) != shape:
-                raise ValueError(f"{name} must have shape {shape}, got {np.shape(getattr(self, name))}")
-        if np.shape(self.state_dist) != shape[:1]:
-            raise ValueError(f"state_dist must have shape {shape[:1]}, got {np.shape(self.state_dist)}")
-        for name in ("logits", "old_probs", "advantages", "state_dist"):
-            if not np.all(np.isfinite(getattr(self, name))):
-                raise ValueError(f"{name} must be finite")
+        for name, want in (("old_probs", shape), ("advantages", shape), ("state_dist", shape[:1]), ("logits", shape)):
+            if np.shape(getattr(self, name)) != want or not np.all(np.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite, of shape {want}, got {np.shape(getattr(self, name))}")
         if np.any(self.old_probs <= 0) or not np.allclose(self.old_probs.sum(-1), 1.0, atol=1e-9):
             raise ValueError("old_probs must be positive and sum to 1 over actions")
         if np.any(self.state_dist < 0) or not math.isclose(float(self.state_dist.sum()), 1.0, abs_tol=1e-9):
@@ -149,7 +114,7 @@ class TabularProblem:
     @property
     def probs(self) -> np.ndarray:
         """pi_k(a|s) = softmax(theta^k)."""
-        return _softmax(self.logits)
+        return softmax(self.logits, axis=-1)
 
     @property
     def ratios(self) -> np.ndarray:
@@ -157,23 +122,13 @@ class TabularProblem:
         return self.probs / self.old_probs
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
-
-
 def _as_problem(logits, old_probs, advantages, state_dist) -> TabularProblem:
     arrays = (np.asarray(x, dtype=np.float64) for x in (logits, old_probs, advantages, state_dist))
     return TabularProblem(*arrays)
 
 
-def random_problem(
-    setting: EventSetting,
-    rng: np.random.Generator,
-    num_states: int = 4,
-    num_actions: int = 6,
-    margin: float = 0.05,
-) -> TabularProblem:
+def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: int = 4, num_actions: int = 6,
+                   margin: float = 0.05) -> TabularProblem:
     """Random pi_old, A ~ N(0, 1), d ~ Dirichlet, and pi_k built from target ratios w(s, a).
 
     Per state, 1..n-2 actions get a ratio inside the event interval, the others inside both clip ranges
@@ -242,12 +197,8 @@ def counterexample_problem(delta: float = 0.07) -> tuple[TabularProblem, EventSe
     return _as_problem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
 
 
-# --------------------------------------------------------------------------------------------------
-# Exact side: autograd through the surrogate, one step, exact entropies
-# --------------------------------------------------------------------------------------------------
-def surrogate(
-    logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip"
-) -> torch.Tensor:
+def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float],
+              form: str = "clip") -> torch.Tensor:
     """J(theta) = sum_s d(s) sum_a pi_old(a|s) f(w) with f = clip(w, lo, hi) A (eq. 14/15, `form="clip"`)
     or f = min(w A, clip(w, lo, hi) A) (PPO/GRPO min form, `form="ppo"`)."""
     if form not in FORMS:
@@ -261,9 +212,8 @@ def surrogate(
     return (dist * (old * per_token).sum(-1)).sum()
 
 
-def surrogate_gradient(
-    problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip", step: str = "vanilla"
-) -> np.ndarray:
+def surrogate_gradient(problem: TabularProblem, clip_range: tuple[float, float], form: str = "clip",
+                       step: str = "vanilla") -> np.ndarray:
     """Update direction at theta^k: grad J (vanilla PG, eq. 18) or F_s^+ grad_s J per state (natural PG,
     F_s = diag(pi_k) - pi_k pi_k^T is the Fisher matrix of the softmax in the logits)."""
     if step not in STEPS:
@@ -279,14 +229,12 @@ def surrogate_gradient(
 
 def entropy(logits: np.ndarray) -> np.ndarray:
     """H(theta | s) = -sum_a pi(a|s) log pi(a|s), per state."""
-    log_p = logits - logits.max(-1, keepdims=True)
-    log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_p = log_softmax(logits, axis=-1)
     return -(np.exp(log_p) * log_p).sum(-1)
 
 
-def exact_differences(
-    problem: TabularProblem, setting: EventSetting, etas, form: str = "clip", step: str = "vanilla"
-) -> tuple[np.ndarray, np.ndarray]:
+def exact_differences(problem: TabularProblem, setting: EventSetting, etas, form: str = "clip",
+                      step: str = "vanilla") -> tuple[np.ndarray, np.ndarray]:
     """theta^ATR - theta^ratio (len(etas), S, n) and H(theta^ATR) - H(theta^ratio) (len(etas), S)
     after one step from theta^k with each clip range."""
     g_atr = surrogate_gradient(problem, setting.atr, form, step)
@@ -297,9 +245,6 @@ def exact_differences(
     return theta_atr - theta_ratio, entropy(theta_atr) - entropy(theta_ratio)
 
 
-# --------------------------------------------------------------------------------------------------
-# Predicted side: Theorems 5.1 and 5.2
-# --------------------------------------------------------------------------------------------------
 def event_advantage(problem: TabularProblem, setting: EventSetting, form: str = "clip") -> np.ndarray:
     """v(s, a) = A(s, a) 1[X](a) for eq. 14/15; with the PPO min form only tokens that moved the way that
     raises the surrogate lose their gradient: v = A 1[X](a) 1[(w - 1) A > 0]."""
@@ -321,9 +266,8 @@ def _cov(p: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return (p * (x - _expect(p, x)) * (y - _expect(p, y))).sum(-1)
 
 
-def predicted_logit_difference(
-    problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip", step: str = "vanilla"
-) -> np.ndarray:
+def predicted_logit_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
+                               step: str = "vanilla") -> np.ndarray:
     """Theorem 5.1: Delta theta_{s,a} = sign * eta d(s) pi_k(a|s) [v(a) - E_{pi_k} v] (sign -1 for X-, +1
     for X+). For the natural step the pi_k(a|s) factor is absent (defined up to a per-state constant)."""
     p, v = problem.probs, event_advantage(problem, setting, form)
@@ -332,14 +276,8 @@ def predicted_logit_difference(
     return setting.sign * eta * problem.state_dist[:, None] * weight * centred
 
 
-def predicted_entropy_difference(
-    problem: TabularProblem,
-    setting: EventSetting,
-    eta: float,
-    form: str = "clip",
-    step: str = "vanilla",
-    formula: str = "first_order",
-) -> np.ndarray:
+def predicted_entropy_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
+                                 step: str = "vanilla", formula: str = "first_order") -> np.ndarray:
     """Theorem 5.2, per state.
 
     "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from Theorem 5.1 (eq. 28 + 29);
@@ -358,9 +296,6 @@ def predicted_entropy_difference(
     raise ValueError(f"formula must be 'first_order' or 'paper', got {formula!r}")
 
 
-# --------------------------------------------------------------------------------------------------
-# The table
-# --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TheoryRow:
     """One (event, eta) row; aggregates over every (seed, state) pair.
@@ -384,10 +319,6 @@ class TheoryRow:
     paper_sign: float
 
 
-def _centre(x: np.ndarray) -> np.ndarray:
-    return x - x.mean(-1, keepdims=True)
-
-
 def _check_etas(etas) -> np.ndarray:
     etas = np.asarray(etas, dtype=np.float64).reshape(-1)
     if etas.size == 0 or not np.all(np.isfinite(etas)) or np.any(etas <= 0):
@@ -404,72 +335,49 @@ def _collect(setting, etas, seeds, num_states, num_actions, form, step):
         dtheta, dh = exact_differences(problem, setting, etas, form, step)
         out["dtheta"].append(dtheta)
         out["dh"].append(dh)
-        pred = [predicted_logit_difference(problem, setting, eta, form, step) for eta in etas]
-        out["dtheta_pred"].append(np.stack(pred))
-        for formula in ("first_order", "paper"):
-            pred = [predicted_entropy_difference(problem, setting, eta, form, step, formula) for eta in etas]
-            out[formula].append(np.stack(pred))
+        out["dtheta_pred"].append(np.stack([predicted_logit_difference(problem, setting, e, form, step) for e in etas]))
+        for f in ("first_order", "paper"):
+            out[f].append(np.stack([predicted_entropy_difference(problem, setting, e, form, step, f) for e in etas]))
     return {k: np.concatenate(v, axis=1) for k, v in out.items()}
 
 
-def _sign_agreement(exact: np.ndarray, pred: np.ndarray) -> float:
-    informative = np.abs(pred) > 1e-13
-    return float(np.mean(np.sign(exact[informative]) == np.sign(pred[informative])))
-
-
-def theorem_table(
-    delta: float = 0.07,
-    etas=DEFAULT_ETAS,
-    seeds: int = 8,
-    num_states: int = 4,
-    num_actions: int = 6,
-    form: str = "clip",
-    step: str = "vanilla",
-) -> list[TheoryRow]:
+def theorem_table(delta: float = 0.07, etas=DEFAULT_ETAS, seeds: int = 8, num_states: int = 4, num_actions: int = 6,
+                  form: str = "clip", step: str = "vanilla") -> list[TheoryRow]:
     """Exact one-step update vs Theorems 5.1/5.2 for both events, `seeds` random problems each."""
     etas = _check_etas(etas)
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+
+    def centre(x: np.ndarray) -> np.ndarray:  # a logit difference is defined up to a per-state constant
+        return x - x.mean(-1, keepdims=True)
+
+    def agreement(exact: np.ndarray, pred: np.ndarray) -> float:
+        informative = np.abs(pred) > 1e-13
+        return float(np.mean(np.sign(exact[informative]) == np.sign(pred[informative])))
+
     rows = []
     for event in EVENTS:
         data = _collect(event_setting(event, delta), etas, seeds, num_states, num_actions, form, step)
         for i, eta in enumerate(etas):
-            dh = data["dh"][i]
-            err_theta = np.abs(_centre(data["dtheta"][i]) - _centre(data["dtheta_pred"][i])).max()
-            err = {k: dh - data[k][i] for k in ("first_order", "paper")}
-            rows.append(
-                TheoryRow(
-                    event=event,
-                    eta=float(eta),
-                    logit_error=float(err_theta),
-                    entropy_rms=float(np.sqrt(np.mean(dh**2))),
-                    first_order_error=float(np.abs(err["first_order"]).max()),
-                    first_order_rel=float(np.linalg.norm(err["first_order"]) / np.linalg.norm(dh)),
-                    paper_error=float(np.abs(err["paper"]).max()),
-                    paper_rel=float(np.linalg.norm(err["paper"]) / np.linalg.norm(dh)),
-                    first_order_sign=_sign_agreement(dh, data["first_order"][i]),
-                    paper_sign=_sign_agreement(dh, data["paper"][i]),
-                )
-            )
+            dh, stats = data["dh"][i], {}
+            for f in ("first_order", "paper"):
+                err = dh - data[f][i]
+                stats |= {f"{f}_error": float(np.abs(err).max()), f"{f}_sign": agreement(dh, data[f][i]),
+                          f"{f}_rel": float(np.linalg.norm(err) / np.linalg.norm(dh))}
+            logit_error = np.abs(centre(data["dtheta"][i]) - centre(data["dtheta_pred"][i])).max()
+            rows.append(TheoryRow(event=event, eta=float(eta), logit_error=float(logit_error),
+                                  entropy_rms=float(np.sqrt(np.mean(dh**2))), **stats))
     return rows
 
 
-def entropy_samples(
-    delta: float = 0.07,
-    eta: float = 0.01,
-    seeds: int = 8,
-    num_states: int = 4,
-    num_actions: int = 6,
-    form: str = "clip",
-    step: str = "vanilla",
-) -> dict[str, dict[str, np.ndarray]]:
+def entropy_samples(delta: float = 0.07, eta: float = 0.01, seeds: int = 8, num_states: int = 4, num_actions: int = 6,
+                    form: str = "clip", step: str = "vanilla") -> dict[str, dict[str, np.ndarray]]:
     """Delta H per (seed, state) at one eta: {event: {"exact", "first_order", "paper"}} (scatter plots)."""
     _check_etas([eta])
     samples = {}
     for event in EVENTS:
         data = _collect(event_setting(event, delta), [eta], seeds, num_states, num_actions, form, step)
-        samples[event] = {k: data[k][0] for k in ("dh", "first_order", "paper")}
-        samples[event]["exact"] = samples[event].pop("dh")
+        samples[event] = {"exact": data["dh"][0], "first_order": data["first_order"][0], "paper": data["paper"][0]}
     return samples
 
 
@@ -486,11 +394,8 @@ def fit_slopes(rows: list[TheoryRow]) -> dict[str, dict[str, float]]:
     slopes = {}
     for event in EVENTS:
         mine = [r for r in rows if r.event == event]
-        etas = [r.eta for r in mine]
-        slopes[event] = {
-            "first_order": fit_slope(etas, [r.first_order_error for r in mine]),
-            "paper": fit_slope(etas, [r.paper_error for r in mine]),
-        }
+        slopes[event] = {f: fit_slope([r.eta for r in mine], [getattr(r, f"{f}_error") for r in mine])
+                         for f in ("first_order", "paper")}
     return slopes
 
 
@@ -500,11 +405,7 @@ def format_table(rows: list[TheoryRow]) -> str:
         f"{'event':<5} {'eta':>6}  {'Thm5.1 err':>10}  {'rms dH':>9}  "
         f"{'1st-order err':>13} {'rel':>8} {'sign':>5}  {'printed err':>11} {'rel':>8} {'sign':>5}"
     )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r.event:<5} {r.eta:>6.3g}  {r.logit_error:>10.1e}  {r.entropy_rms:>9.2e}  "
-            f"{r.first_order_error:>13.2e} {r.first_order_rel:>8.1e} {r.first_order_sign:>5.0%}  "
-            f"{r.paper_error:>11.2e} {r.paper_rel:>8.1e} {r.paper_sign:>5.0%}"
-        )
-    return "\n".join(lines)
+    return "\n".join([header, "-" * len(header)] + [
+        f"{r.event:<5} {r.eta:>6.3g}  {r.logit_error:>10.1e}  {r.entropy_rms:>9.2e}  "
+        f"{r.first_order_error:>13.2e} {r.first_order_rel:>8.1e} {r.first_order_sign:>5.0%}  "
+        f"{r.paper_error:>11.2e} {r.paper_rel:>8.1e} {r.paper_sign:>5.0%}" for r in rows])

@@ -43,23 +43,16 @@ DAPO_PREFIX = (
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 GSM8K_ANSWER = re.compile(r"\n#### ([^\n]+?)\s*$")  # GSM8K's answer field: worked solution, then "#### N"
 GSM8K_CALCULATOR = re.compile(r"<<[^>]*>>")
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
 
 
 class DataFormatError(ValueError):
     """A data file or record that cannot be used; the message names the file and line (or row)."""
 
 
-def load_prompts(
-    source: str | os.PathLike,
-    *,
-    split: str = "train",
-    subset: str | None = None,
-    problem_key: str = "problem",
-    answer_key: str = "answer",
-    id_key: str = "id",
-    limit: int | None = None,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
+def load_prompts(source: str | os.PathLike, *, split: str = "train", subset: str | None = None,
+                 problem_key: str = "problem", answer_key: str = "answer", id_key: str = "id", limit: int | None = None,
+                 seed: int = 0) -> list[dict[str, Any]]:
     """Load and validate prompt rows from a local file, `builtin:<split>`, or a hub dataset id.
 
     Returns rows `{"id": str, "problem": str, "answer": str, **scalar extra fields}`. `split` and
@@ -143,21 +136,13 @@ def _json_value(text: str) -> Any:
         return text
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Equal as JSON values: 1 == 1.0, but neither true == 1 nor "1" == 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
 def _matches(key: str, row_value: Any, wanted: Any) -> bool:
-    """A row's field equals a filter value as JSON values; the fields the loader turns into text (id, problem,
-    answer: a source's 7 is "7") also match a number by its text."""
+    """A row's field equals a filter value as JSON values (1 == 1.0, but neither true == 1 nor "1" == 1); the fields
+    the loader turns into text (id, problem, answer: a source's 7 is "7") also match a number by its text."""
     if key in TEXT_FIELDS and isinstance(row_value, str) and not isinstance(wanted, str):
         return row_value == json.dumps(wanted)
-    return _same_value(row_value, wanted)
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (row_value, wanted))
+    return row_value == wanted and (numbers or type(row_value) is type(wanted))
 
 
 def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[str, Any]]:
@@ -209,15 +194,10 @@ def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
 
 def _load_file(path: Path, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        records = _iter_jsonl(path)
-    elif suffix == ".json":
-        records = _iter_json(path)
-    elif suffix == ".parquet":
-        records = _iter_parquet(path)
-    else:
+    reader = {".json": _iter_json, ".parquet": _iter_parquet, **dict.fromkeys(JSONL_SUFFIXES, _iter_jsonl)}.get(suffix)
+    if reader is None:
         raise DataFormatError(f"{path}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet")
-    rows = [_normalize(rec, where, keys, default_id=f"{path.stem}-{i}") for i, (where, rec) in enumerate(records)]
+    rows = [_normalize(rec, where, keys, default_id=f"{path.stem}-{i}") for i, (where, rec) in enumerate(reader(path))]
     if not rows:
         raise DataFormatError(f"{path}: empty file (no records)")
     return rows
@@ -227,36 +207,32 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open("rb") as fh:  # bytes, decoded line by line, so that a bad byte is reported with its line
         for lineno, raw in enumerate(fh, 1):
             line = _decode(raw, path, lineno)
-            if not line.strip():
-                continue
-            yield f"{path}:{lineno}", _loads(line, path, lineno)
+            if line.strip():
+                try:
+                    yield f"{path}:{lineno}", json.loads(line)
+                except ValueError as err:
+                    raise _bad_json(path, err, lineno) from None
 
 
-def _decode(raw: bytes, path: Path, lineno: int) -> str:
+def _decode(raw: bytes, path: Path, first_line: int = 1) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataFormatError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
-                              f"{err.start + 1}); save the file as UTF-8") from None
+        line, column = first_line + raw.count(b"\n", 0, err.start), err.start - raw.rfind(b"\n", 0, err.start)
+        raise DataFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {column}); save "
+                              "the file as UTF-8") from None
 
 
-def _loads(text: str, path: Path, lineno: int) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataFormatError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-    except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise DataFormatError(f"{path}:{lineno}: invalid JSON value ({err})") from None
+def _bad_json(path: Path, err: ValueError, line: int | None = None) -> DataFormatError:
+    """The error for invalid JSON at `line` (default: the decoder's line in the whole text, if it knows one)."""
+    if isinstance(err, json.JSONDecodeError):
+        return DataFormatError(f"{path}:{line or err.lineno}: invalid JSON ({err.msg} at column {err.colno})")
+    # e.g. an integer of more than 4300 digits
+    return DataFormatError(f"{path}{'' if line is None else f':{line}'}: invalid JSON value ({err})")
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        raise DataFormatError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"
-                              ) from None
+    text = _decode(path.read_bytes(), path)
     stripped = text.lstrip()
     if not stripped:
         return
@@ -265,23 +241,18 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
         return
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        if err.msg == "Extra data":  # JSON Lines saved with a .json suffix
+    except ValueError as err:
+        if getattr(err, "msg", None) == "Extra data":  # JSON Lines saved with a .json suffix
             yield from _iter_jsonl(path)
             return
-        raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-    except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise DataFormatError(f"{path}: invalid JSON value ({err})") from None
-    if isinstance(obj, dict):
-        lists = [v for v in obj.values() if isinstance(v, list)]
-        if "data" in obj and isinstance(obj["data"], list):
-            lists = [obj["data"]]
-        if len(lists) == 1:  # e.g. {"data": [...]}; line numbers are not recoverable here
-            yield from ((f"{path}: record {i}", rec) for i, rec in enumerate(lists[0]))
-            return
+        raise _bad_json(path, err) from None
+    if not isinstance(obj, dict):
+        raise DataFormatError(f"{path}:1: expected a JSON array or object, got {type(obj).__name__}")
+    lists = [obj["data"]] if isinstance(obj.get("data"), list) else [v for v in obj.values() if isinstance(v, list)]
+    if len(lists) == 1:  # e.g. {"data": [...]}; line numbers are not recoverable here
+        yield from ((f"{path}: record {i}", rec) for i, rec in enumerate(lists[0]))
+    else:
         yield f"{path}:1", obj  # a single record
-        return
-    raise DataFormatError(f"{path}:1: expected a JSON array or object, got {type(obj).__name__}")
 
 
 def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
@@ -289,7 +260,7 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
     while True:
-        pos = _skip_ws(text, pos)
+        pos = _JSON_SPACE.match(text, pos).end()
         if pos >= len(text):
             raise DataFormatError(f"{path}:{text.count(chr(10)) + 1}: invalid JSON (unterminated array)")
         if text[pos] == "]":
@@ -297,23 +268,15 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
         line = text.count("\n", 0, pos) + 1
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            raise DataFormatError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-        except ValueError as err:  # e.g. an integer of more than 4300 digits
-            raise DataFormatError(f"{path}:{line}: invalid JSON value ({err})") from None
+        except ValueError as err:  # a decode error knows its own line; a value error is the record's
+            raise _bad_json(path, err, None if isinstance(err, json.JSONDecodeError) else line) from None
         yield f"{path}:{line}", obj
-        pos = _skip_ws(text, pos)
+        pos = _JSON_SPACE.match(text, pos).end()
         if pos < len(text) and text[pos] == ",":
             pos += 1
         elif pos >= len(text) or text[pos] != "]":
             line = text.count("\n", 0, pos) + 1
             raise DataFormatError(f"{path}:{line}: invalid JSON (expected ',' or ']' between records)")
-
-
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -369,23 +332,16 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     if gsm8k and "solution" not in extras:
         worked = GSM8K_CALCULATOR.sub("", record[answer_key][: gsm8k.start()]).strip()
         extras["solution"] = f"{worked}\nThe final answer is \\boxed{{{answer}}}."
-    return {
-        **extras,
-        "id": str(default_id if rid is None else rid),
-        "problem": problem.strip(),
-        "answer": answer,
-    }
+    return {**extras, "id": str(default_id if rid is None else rid), "problem": problem.strip(), "answer": answer}
 
 
 def _answer_to_str(answer: Any, where: str, key: str) -> str:
     if isinstance(answer, bool):
         raise DataFormatError(f"{where}: field {key!r} must be a string or number, got {answer!r}")
-    if isinstance(answer, float) and answer.is_integer():
-        return str(int(answer))  # e.g. AMC sources store 142.0
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
     if isinstance(answer, float):
-        return _decimal_text(answer)
+        if not math.isfinite(answer):
+            raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
+        return str(int(answer)) if answer.is_integer() else _decimal_text(answer)  # AMC sources store 142.0
     if isinstance(answer, int):
         try:
             return str(answer)
@@ -412,9 +368,4 @@ def _dapo_problem(messages: list) -> str | None:
     users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role", "user") == "user"]
     if not users or not isinstance(users[-1], str):
         return None
-    text = users[-1].strip()
-    if text.startswith(DAPO_PREFIX.strip()) or text.startswith(DAPO_PREFIX):
-        text = text[len(DAPO_PREFIX) :] if text.startswith(DAPO_PREFIX) else text[len(DAPO_PREFIX.strip()) :]
-    if text.endswith(DAPO_SUFFIX.strip()):
-        text = text[: -len(DAPO_SUFFIX.strip())]
-    return text.strip()
+    return users[-1].strip().removeprefix(DAPO_PREFIX.strip()).removesuffix(DAPO_SUFFIX.strip()).strip()

@@ -99,14 +99,8 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
     }
 
 
-def _draw_split(
-    name: str,
-    n: int,
-    levels: Sequence[int | ArithmeticLevel],
-    seed: int,
-    exclude: set[str],
-    max_misses: int = 1000,
-) -> list[dict]:
+def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str],
+                max_misses: int = 1000) -> list[dict]:
     # A string seed gives an independent, reproducible stream per split (hash-seed independent).
     rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
     rows: list[dict] = []

@@ -22,7 +22,7 @@ MATH_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answe
 # boxed format from the SFT stage) while every prompt character costs CPU time in SFT, RL and eval.
 TINY_TEMPLATE = "{problem}\n"
 TEMPLATES = {"math": MATH_TEMPLATE, "tiny": TINY_TEMPLATE, "raw": "{problem}"}
-PROMPT_STYLE_KEY = "trustclip_prompt_style"  # same key as trustclip.models writes
+PROMPT_STYLE_KEY = "trustclip_prompt_style"  # a tokenizer_config.json entry naming a style (builtin:tiny: "tiny")
 
 
 def resolve_template(style: str = "auto", tokenizer: Any = None) -> str:
@@ -48,13 +48,8 @@ def prompt_messages(problem: str, style: str = "auto", tokenizer: Any = None, sy
     return [*messages, {"role": "user", "content": content}]
 
 
-def format_prompt(
-    problem: str,
-    tokenizer: Any = None,
-    style: str = "auto",
-    system_prompt: str | None = None,
-    **chat_kwargs: Any,
-) -> str:
+def format_prompt(problem: str, tokenizer: Any = None, style: str = "auto", system_prompt: str | None = None,
+                  **chat_kwargs: Any) -> str:
     """The prompt string for one problem, through the tokenizer's chat template when it has one.
 
     `chat_kwargs` go to `apply_chat_template` (e.g. `enable_thinking=False` for Qwen3).
@@ -67,24 +62,15 @@ def format_prompt(
     return messages[-1]["content"]
 
 
-def build_prompt_rows(
-    rows: Sequence[dict],
-    tokenizer: Any = None,
-    style: str = "auto",
-    *,
-    conversational: bool = False,
-    system_prompt: str | None = None,
-    **chat_kwargs: Any,
-) -> list[dict[str, Any]]:
+def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = "auto", *, conversational: bool = False,
+                      system_prompt: str | None = None, **chat_kwargs: Any) -> list[dict[str, Any]]:
     """Rows for a TRL GRPO dataset: `{"prompt", "answer", "id"}` (other columns are kept).
 
     With `conversational=True` the prompt is a message list and TRL applies the chat template itself.
     """
-    out = []
-    for row in rows:
+    def prompt(problem: str) -> Any:
         if conversational:
-            prompt: Any = prompt_messages(row["problem"], style, tokenizer, system_prompt)
-        else:
-            prompt = format_prompt(row["problem"], tokenizer, style, system_prompt, **chat_kwargs)
-        out.append({**row, "prompt": prompt})
-    return out
+            return prompt_messages(problem, style, tokenizer, system_prompt)
+        return format_prompt(problem, tokenizer, style, system_prompt, **chat_kwargs)
+
+    return [{**row, "prompt": prompt(row["problem"])} for row in rows]

@@ -1,27 +1,21 @@
 """Evaluation: Pass@k / Mean@k metrics (light, numpy only) and the generation-based evaluator.
 
-The evaluator pulls in torch and transformers, so it is imported lazily.
+Layers, bottom up: `metrics`, `config` (EvalArgs / EvalConfig), `generation` (HF / vLLM sampling), `evaluator`
+(generate, score, aggregate), `report` (JSON / CSV / markdown writers). All but `metrics` load on first use.
 """
 
 from trustclip.evaluation.metrics import benchmark_metrics, mean_at_k, metric_curves, pass_at_k
 
-_LAZY = {
-    "EvalArgs",
-    "EvalConfig",
-    "EvalResult",
-    "evaluate",
-    "evaluate_checkpoints",
-    "final_and_best",
-    "format_table",
-    "write_report",
-}
+_LAZY = {"EvalArgs": "config", "EvalConfig": "config", "EvalResult": "evaluator", "evaluate": "evaluator",
+         "evaluate_checkpoints": "evaluator", "final_and_best": "report", "format_table": "report",
+         "write_report": "report"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from trustclip.evaluation import evaluator
+        import importlib
 
-        return getattr(evaluator, name)
+        return getattr(importlib.import_module(f"trustclip.evaluation.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'trustclip.evaluation' has no attribute {name!r}")
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+AVERAGE = "average"  # the row of a result that averages its benchmarks
+
 
 def _check(n: int, c: int, k: int) -> None:
     for name, value in (("n", n), ("c", c), ("k", k)):

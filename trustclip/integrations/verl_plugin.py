@@ -20,6 +20,7 @@ mode"), so any failure here is logged at ERROR level before it is re-raised.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -77,16 +78,6 @@ def verl_installed() -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
-def _core_algos() -> Any:
-    """verl's `verl.trainer.ppo.core_algos`, or ImportError with install instructions."""
-    if not verl_installed():
-        raise ImportError(NO_VERL)
-    from verl.trainer.ppo import core_algos
-
-    return core_algos
-
-
-# --------------------------------------------------------------------------- names
 def verl_loss_names() -> dict[str, str]:
     """verl loss name -> trustclip objective name, for every objective and alias (`trustclip_<name>`)."""
     names = {PREFIX + name: name for name in REGISTRY}
@@ -102,11 +93,8 @@ def objective_for_loss_mode(loss_mode: str) -> str:
     return names[loss_mode]
 
 
-# --------------------------------------------------------------------------- hyper-parameters
 def _get(config: Any, key: str, default: Any = None) -> Any:
-    """`config.key` for verl dataclass configs, OmegaConf DictConfigs and plain dicts alike."""
-    if config is None:
-        return default
+    """`config.key` for verl dataclass configs, OmegaConf DictConfigs and plain dicts alike (None: `default`)."""
     if isinstance(config, Mapping):
         return config.get(key, default)
     return getattr(config, key, default)
@@ -123,13 +111,10 @@ def normalize_kwargs(value: Any) -> dict[str, Any]:
             raise ValueError(f"policy_loss.objective_kwargs={value!r} is not a JSON object: {err}") from None
     if not isinstance(value, Mapping):
         raise ValueError(f"policy_loss.objective_kwargs must be a mapping, got {type(value).__name__}")
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf  # ships with verl
 
-        if isinstance(value, DictConfig):
-            value = OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with verl
-        pass
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value, resolve=True)
     return {str(k): v for k, v in value.items()}
 
 
@@ -170,7 +155,6 @@ def objective_from_config(loss_mode: str, config: Any) -> Objective:
     return build_objective(loss_mode, _get(policy_loss, "objective_kwargs", None))
 
 
-# --------------------------------------------------------------------------- one-time warnings
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
@@ -202,7 +186,6 @@ def check_settings(loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]
     return notes
 
 
-# --------------------------------------------------------------------------- the loss
 def verl_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
     """verl's three policy metrics with verl's meaning, then trustclip's as `actor/objective/<key>`.
 
@@ -222,21 +205,15 @@ def _global_batch_info(config: Any) -> dict[str, Any]:
     return dict(_get(config, "global_batch_info", None) or {})
 
 
-def compute_trustclip_loss(
-    loss_mode: str,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                           response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                           rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss of the trustclip objective behind `loss_mode` (see the module docstring)."""
     objective = objective_from_config(loss_mode, config)
     for note in check_settings(loss_mode, loss_agg_mode, config):
         _warn_once(note)
-    agg_loss = _core_algos().agg_loss
+    from verl.trainer.ppo.core_algos import agg_loss  # (importing this module checked that verl is installed)
+
     mask = response_mask.bool()
     if not mask.any():  # e.g. every response of the micro-batch rejected by rollout correction
         return (log_prob * 0.0).sum(), {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
@@ -251,34 +228,23 @@ def compute_trustclip_loss(
 def make_policy_loss(loss_mode: str) -> PolicyLossFn:
     """A function with verl's policy-loss signature computing `loss_mode` (a `trustclip_*` name)."""
     objective = objective_for_loss_mode(loss_mode)
-
-    def policy_loss(
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        loss_agg_mode: str = "token-mean",
-        config: Any = None,
-        rollout_is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        return compute_trustclip_loss(loss_mode, old_log_prob, log_prob, advantages, response_mask,
-                                      loss_agg_mode, config, rollout_is_weights)
-
-    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"
+    policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword
+    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"  # type: ignore[attr-defined]
+    policy_loss.__module__ = __name__
     summary = REGISTRY[objective].summary
     policy_loss.__doc__ = f"verl policy loss `{loss_mode}`: trustclip objective `{objective}` ({summary})."
     policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
     return policy_loss
 
 
-# --------------------------------------------------------------------------- registration
 def register_verl_losses() -> list[str]:
     """Register every trustclip objective (and alias) in verl's registry; returns the names registered.
 
     Idempotent, and callable again after `trustclip.register_objective` to add new objectives. Raises
     VerlPluginError rather than overwrite a loss of the same name that is not trustclip's.
     """
-    core_algos = _core_algos()
+    from verl.trainer.ppo import core_algos
+
     registry = core_algos.POLICY_LOSS_REGISTRY
     names = verl_loss_names()
     for loss_mode in names:
@@ -292,20 +258,16 @@ def register_verl_losses() -> list[str]:
     return list(names)
 
 
-def _check_verl_version() -> None:
-    import verl
-
-    version = getattr(verl, "__version__", "unknown")
-    if version != TESTED_VERL_VERSION:
-        _warn_once(f"trustclip's verl plugin was tested with verl {TESTED_VERL_VERSION}; this is verl {version}")
-
-
 def _register_loudly() -> None:
     """Register at import; log any failure at ERROR first, since verl hides plugin errors at DEBUG."""
     if not verl_installed():
         raise ImportError(NO_VERL)
     try:
-        _check_verl_version()
+        import verl
+
+        version = getattr(verl, "__version__", "unknown")
+        if version != TESTED_VERL_VERSION:
+            _warn_once(f"trustclip's verl plugin was tested with verl {TESTED_VERL_VERSION}; this is verl {version}")
         register_verl_losses()
     except Exception as err:
         _log.error(_FAILED, "registering the losses", type(err).__name__, err, exc_info=True)

@@ -1,0 +1,75 @@
+"""The evaluation settings: `EvalArgs` (the `eval` section of a run) and `EvalConfig` (plus prompt and scoring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import StrictFloat, StrictInt, StrictStr
+
+from trustclip.rewards import DEFAULT_TIMEOUT
+
+BACKENDS = ("auto", "hf", "vllm")
+
+
+@dataclass
+class EvalArgs:
+    """How a model is evaluated: sampling, budget and K (the paper's evaluation: T = 0.3, top-p 0.95, K = 8).
+
+    The one declaration of these settings: it is the `eval` section of `trustclip train` (so the defaults are the
+    embedded CPU run's), `trustclip eval` and `trustclip compare` read it from there.
+    """
+
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}  # see trustclip.train.config.from_dict
+
+    k: StrictInt = field(default=8, metadata={"help": "K of Mean@K / Pass@K."})
+    n_samples: StrictInt | None = field(default=None, metadata={"help": "Samples per problem (>= k); default k."})
+    temperature: StrictFloat = field(default=0.3, metadata={"help": "Sampling temperature (paper: 0.3)."})
+    top_p: StrictFloat = field(default=0.95, metadata={"help": "Sampling top-p (paper: 0.95)."})
+    max_new_tokens: StrictInt = field(default=32, metadata={"help": "Generation budget per completion (tokens)."})
+    batch_size: StrictInt = field(default=512, metadata={"help": "Sequences per generate call."})
+    seed: StrictInt = field(default=0, metadata={"help": "Sampling seed (the same before and after training)."})
+    backend: StrictStr = field(default="auto", metadata={"help": "trustclip eval: auto (vLLM when installed with a "
+                                                                 "GPU), hf or vllm; trustclip train evaluates the "
+                                                                 "model in memory with HF (auto or hf)."})
+
+    def __post_init__(self) -> None:
+        for name in ("k", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
+        if self.n_samples is not None and self.n_samples < self.k:
+            raise ValueError(f"eval.n_samples={self.n_samples!r} is invalid: must be >= eval.k ({self.k})")
+        if not self.temperature >= 0:
+            raise ValueError(f"eval.temperature={self.temperature!r} is invalid: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p!r} is invalid: must be in (0, 1]")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"eval.backend={self.backend!r} is invalid: must be one of {', '.join(BACKENDS)}")
+
+    @property
+    def n(self) -> int:
+        return self.n_samples or self.k
+
+
+@dataclass
+class EvalConfig(EvalArgs):
+    """Everything `evaluate` needs: the evaluation settings plus how prompts are written and answers scored.
+    `trustclip train` / `trustclip eval` fill the latter from the run's `data.prompt_style`, `data.answer_fallback`
+    and `rl.reward_timeout`, so a run is evaluated exactly as it was rewarded."""
+
+    top_k: int | None = None  # None disables top-k (the paper's -1)
+    bf16: bool = False  # `evaluate` samples from a merged bfloat16 copy (the run's `bf16`: trustclip.precision)
+    prompt_style: str = "auto"  # see trustclip.data.templates
+    system_prompt: str | None = None  # None: the chat template's default; "": an empty system turn
+    reward_timeout: float = DEFAULT_TIMEOUT
+    answer_fallback: bool = False  # True: no \boxed{} -> the last `Answer:` line / last number (trustclip.rewards)
+    answer_key: str = "answer"
+    show_progress: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} is invalid: must be >= 0 (or None)")
+        if not self.reward_timeout > 0:
+            raise ValueError(f"reward_timeout={self.reward_timeout!r} is invalid: must be > 0 seconds")
