@@ -172,7 +172,11 @@ class TrustClipGRPOConfig(GRPOConfig):
         self._apply_trl_loss_options()
         if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
             # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
-            get_objective(self.objective, **self.objective_kwargs)
+            try:
+                get_objective(self.objective, **self.objective_kwargs)
+            except ValueError as err:
+                raise ValueError(f"objective={self.objective!r}, objective_kwargs={self.objective_kwargs!r}: {err}"
+                                 ) from None
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r} is invalid; valid: {', '.join(AGGREGATIONS)}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
