@@ -231,7 +231,6 @@ class RLArgs:
         _check(self.temperature > 0, "rl.temperature", self.temperature, "> 0")
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "rl.top_k", self.top_k, ">= 0 (0 = off)")
-        _check(self.beta >= 0, "rl.beta", self.beta, ">= 0")
         _check(self.max_grad_norm > 0, "rl.max_grad_norm", self.max_grad_norm, "> 0")
         _check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
         _check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")

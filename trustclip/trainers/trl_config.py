@@ -16,7 +16,7 @@ from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
 from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
-from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
+from trustclip.trainers.trl_options import SCALE_REWARDS_OF, is_number, spelled
 from trustclip.trainers.trl_options import translate as translate_trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
@@ -197,18 +197,12 @@ class TrustClipGRPOConfig(GRPOConfig):
         self.advantage_estimator = self.advantage_estimator or trl.advantage_estimator or "dr_grpo"
 
     def _check_batches(self) -> None:
-        generate_every = self.steps_per_generation * self.num_iterations
-        if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
-            # processes then hold different numbers of rows, and only whole windows have exact counts
-            raise ValueError(
-                f"skip_zero_advantage needs each optimizer step inside one generation batch: steps_per_generation="
-                f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
-            )
-        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+        # skip_zero_advantage: processes then hold different numbers of rows, and only whole windows have exact counts
+        message = _split_step_error(self, "skip_zero_advantage") if self.skip_zero_advantage else None
+        if not message and not (self.objective == "general" and "constraint" not in self.objective_kwargs):
             message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
-            if message:
-                raise ValueError(message)
+        if message:
+            raise ValueError(message)
 
 
 def check_honoured_trl_options(args: GRPOConfig) -> None:
@@ -218,16 +212,16 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
     import importlib.util
 
     quantile = args.top_entropy_quantile
-    if not (_is_number(quantile) and 0.0 <= quantile <= 1.0):
+    if not (is_number(quantile) and 0.0 <= quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile={quantile!r} is invalid: must be in [0, 1] (the fraction of tokens "
                          "kept by entropy; 1 keeps all)")
     threshold = args.off_policy_mask_threshold
-    if threshold is not None and not (_is_number(threshold) and 0.0 <= threshold < math.inf):
+    if threshold is not None and not (is_number(threshold) and 0.0 <= threshold < math.inf):
         raise ValueError(f"off_policy_mask_threshold={threshold!r} is invalid: must be a finite number >= 0 (or None)")
     for name in ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
                  "entropy_target"):
         value = getattr(args, name)
-        if not (_is_number(value) and math.isfinite(value)):
+        if not (is_number(value) and math.isfinite(value)):
             raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
     for name in ("beta", "entropy_coef_delta"):
         if getattr(args, name) < 0:
@@ -253,19 +247,20 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
         pass  # optimizers that need the model are checked by transformers when training starts
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
     """Why an adaptive objective cannot run with these batch settings, or None."""
-    generate_every = args.steps_per_generation * args.num_iterations
-    if objective not in ADAPTIVE_OBJECTIVES or generate_every % args.gradient_accumulation_steps == 0:
+    if objective not in ADAPTIVE_OBJECTIVES:
         return None
-    return (f"objective {objective!r} moves delta once per generation batch and needs each optimizer step inside one "
-            f"generation batch: steps_per_generation={args.steps_per_generation} x num_iterations="
-            f"{args.num_iterations} must be a multiple of gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}")
+    return _split_step_error(args, f"objective {objective!r} moves delta once per generation batch and")
+
+
+def _split_step_error(args: GRPOConfig, who: str) -> str | None:
+    """Why `who` cannot run when an optimizer step spans two generation batches (and it does), or None."""
+    if (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0:
+        return None
+    return (f"{who} needs each optimizer step inside one generation batch: steps_per_generation="
+            f"{args.steps_per_generation} x num_iterations={args.num_iterations} must be a multiple of "
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
 
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
