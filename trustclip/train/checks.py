@@ -30,42 +30,31 @@ def check_run(config: TrainConfig) -> None:
     stages = config.stages
     if not stages:
         raise ValueError("stages: no stage left to run")
+    from trustclip.precision import resolve_bf16
+    from trustclip.train.stages import grpo_config, sft_config
+
     check_output_dir(config)
-    check_precision(config)
+    resolve_bf16(config.bf16)  # bf16=true on a machine that cannot honour it
     check_model(config.model.name_or_path, "model.name_or_path", tiny=config.model.tiny)
-    evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
     if "sft" in stages:
         sft = config.sft
         check_source(sft.data or config.data.train, "sft.data" if sft.data else "data.train")
     if "rl" in stages:
         check_source(config.data.train, "data.train")
-    if evaluates:
+    if config.evaluates:
         check_benchmarks(config.data.eval, config)
         check_evaluation(config)
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
-            _trl_check(config, "sft", lambda: _stages().sft_config(config, Path(scratch)))
+            _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
         if "rl" in stages:
             check_objective(config, scratch)
             check_trl_kwargs(config)
-            _trl_check(config, "rl", lambda: _stages().grpo_config(config, Path(scratch)))
+            _trl_check(config, "rl", lambda: grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
     if config.model.lora:
         _need("peft", "model.lora=true")
-
-
-def check_precision(config: TrainConfig) -> None:
-    """`bf16=true` on a machine that cannot honour it (`trustclip.precision.bf16_problem`)."""
-    from trustclip.precision import resolve_bf16
-
-    resolve_bf16(config.bf16)
-
-
-def _stages() -> Any:
-    from trustclip.train import stages
-
-    return stages
 
 
 def check_output_dir(config: TrainConfig) -> None:

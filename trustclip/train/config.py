@@ -279,6 +279,11 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def evaluates(self) -> bool:
+        """The run evaluates the held-out benchmarks (the eval stage, or RL with eval_every)."""
+        return "eval" in self.stages or ("rl" in self.stages and self.rl.eval_every > 0)
+
 
 # ------------------------------------------------------------------ validation helpers
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:
@@ -321,23 +326,19 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     if error["type"] == "value_error":
         return message  # our own __post_init__ checks name the key already
     if error["type"] == "unexpected_keyword_argument":
-        valid = ", ".join(".".join([*loc[:-1], f]) for f in _section_fields(cls, loc[:-1]))
+        section = _field_hint(".".join(loc[:-1]), cls)
+        valid = ", ".join(".".join([*loc[:-1], f.name]) for f in dataclasses.fields(section))
         return f"unknown option {name}; valid: {valid}"
     if error["type"] in ("dataclass_type", "dataclass_args_type"):
         return f"{name}: expected a mapping of options, got {error['input']!r}"
     return f"{name}={error['input']!r} is invalid: {message[0].lower()}{message[1:]}"
 
 
-def _section_fields(cls: type, path: list[str]) -> list[str]:
-    for part in path:
-        cls = typing.get_type_hints(cls)[part]
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _field_hint(key: str) -> Any:
-    """Type hint of the dotted option `key` (None for an unknown key or one inside a mapping value)."""
-    cls: Any = TrainConfig
-    for part in key.split("."):
+def _field_hint(key: str, root: type | None = None) -> Any:
+    """Type hint of the dotted option `key` of `root` (TrainConfig; "": root itself; None for an unknown key or one
+    inside a mapping value)."""
+    cls: Any = root or TrainConfig
+    for part in filter(None, key.split(".")):
         if not dataclasses.is_dataclass(cls):
             return None
         hints = typing.get_type_hints(cls)
@@ -381,20 +382,22 @@ _YamlLoader.add_implicit_resolver(
 
 
 def yaml_load(text: str) -> Any:
+    """`text` as YAML (`_YamlLoader`); ValueError with the parser's message on one line if it is not."""
     import yaml
 
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ValueError(" ".join(str(err).split())) from None
 
 
 def parse_value(raw: str) -> Any:
     """A value as a command line writes it (`--set`, `--sweep`, `--hparam`), read as YAML: numbers (`1e-5` too),
     true/false, null, [a, b], {k: v}; nothing is ""."""
-    import yaml
-
     try:
         return yaml_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ValueError(f"value {raw!r} is not valid YAML ({' '.join(str(err).split())})") from None
+    except ValueError as err:
+        raise ValueError(f"value {raw!r} is not valid YAML ({err})") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -412,8 +415,6 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe as a dict. `base: other.yaml` (relative to the recipe) is loaded first and deep-merged under it,
     so a baseline recipe states only what differs from the recipe it extends."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
@@ -421,8 +422,8 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ValueError(f"{path}: circular `base:` chain {' -> '.join(map(str, _seen))}")
     try:
         data = yaml_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: invalid YAML ({' '.join(str(err).split())})") from None
+    except ValueError as err:  # UnicodeDecodeError too
+        raise ValueError(f"{path}: invalid YAML ({err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of options at the top level, got {type(data).__name__}")
     data.pop("description", None)  # free text for humans
@@ -515,11 +516,9 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
 def read_run_config(path: Path, what: str) -> dict[str, Any]:
     """A run's saved settings (its config.yaml) as a dict, checked: a file that is not YAML, not a mapping, or holds
     settings this version rejects is a ValueError naming the file (`what`: the command or option reading it)."""
-    import yaml
-
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except (OSError, ValueError) as err:
         detail = " ".join(str(err).split())
         raise ValueError(f"{what}: {path} is not a readable run configuration ({detail}); restore it from a copy, "
                          "or start a new run in another output folder") from None
