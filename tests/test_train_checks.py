@@ -483,3 +483,52 @@ def test_trainer_configs_take_every_field_of_the_same_name():
         for name in set(values) - own:
             assert getattr(built, name) == values[name], name
     assert grpo_config(config, Path("unused")).entropy_coef == 0.01  # rl.trl_kwargs on top
+
+
+def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values():
+    """The sft / rl sections take each TRL / TrustClipGRPOConfig field they expose from the library (help and
+    default); the embedded run's own values are SFT_RECIPE / RL_RECIPE, and a plain TrustClipGRPOConfig keeps the
+    library's defaults."""
+    import dataclasses
+
+    from trl import SFTConfig
+
+    from trustclip.train.config import LIBRARY, RL_RECIPE, SFT_RECIPE, RLArgs, SFTArgs
+    from trustclip.trainers import TrustClipGRPOConfig
+
+    for section, library, recipe in ((SFTArgs, SFTConfig, SFT_RECIPE), (RLArgs, TrustClipGRPOConfig, RL_RECIPE)):
+        declared = {f.name: f for f in dataclasses.fields(library)}
+        built = section()
+        for name, value in recipe.items():
+            assert dataclasses.fields(section)[list(recipe).index(name)].metadata == declared[name].metadata, name
+            assert getattr(built, name) == (declared[name].default if value is LIBRARY else value), name
+    rl = RLArgs()
+    assert (rl.skip_zero_advantage, rl.truncated_reward, rl.objective_kwargs) == (True, 0.0, {"delta": 0.07})
+    plain = TrustClipGRPOConfig(output_dir="unused")
+    assert (plain.skip_zero_advantage, plain.truncated_reward, plain.objective_kwargs) == (False, None, {})
+    assert (plain.objective, plain.aggregation, plain.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
+
+
+def test_a_resumed_run_keeps_its_stages(tmp_path):
+    """`stages` decides what a run computes (RL from the SFT model or from the base model), so it is not run
+    control: resuming a run with other stages is an error naming both values."""
+    import yaml
+
+    from trustclip.train.checks import check_output_dir
+    from trustclip.train.config import RUN_CONTROL, TrainConfig, load_config
+
+    assert "stages" not in RUN_CONTROL
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(TrainConfig(stages=["sft", "rl"]).to_dict()))
+    check_output_dir(load_config(None, ["stages=sft,rl", "quiet=true"], output_dir=str(tmp_path), resume=True))
+    with pytest.raises(ValueError, match=r"stages=\['rl'\] \(the run has \['sft', 'rl'\]\)"):
+        check_output_dir(load_config(None, ["stages=rl"], output_dir=str(tmp_path), resume=True))
+
+
+def test_command_line_values_are_read_as_yaml_once():
+    from trustclip.train.config import parse_override, parse_value
+
+    assert [parse_value(v) for v in ("1e-5", "3", "true", "null", "[a, b]", "{k: 1}", "x", " ")] == [
+        1e-5, 3, True, None, ["a", "b"], {"k": 1}, "x", ""]
+    assert parse_override("rl.learning_rate=1e-5") == ("rl.learning_rate", 1e-5)
+    with pytest.raises(ValueError, match=r"--set 'rl.x=\[': value '\[' is not valid YAML"):
+        parse_override("rl.x=[")

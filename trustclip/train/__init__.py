@@ -6,23 +6,10 @@ pipeline SFT for format -> RLVR -> evaluation.
 
 `run_pipeline(config) -> dict` writes everything into `config.output_dir` (see `trustclip.train.pipeline`);
 `check_run(config)` checks everything a run needs without doing any of it (the pipeline's first step).
-Heavy libraries (torch, transformers, TRL) are imported when a stage runs, not on import.
 """
 
+from trustclip.train.checks import check_run
 from trustclip.train.config import STAGES, TrainConfig, load_config, option_table
+from trustclip.train.pipeline import run_pipeline
 
 __all__ = ["STAGES", "TrainConfig", "check_run", "load_config", "option_table", "run_pipeline"]
-
-
-def check_run(config: TrainConfig) -> None:
-    """See `trustclip.train.checks.check_run`."""
-    from trustclip.train.checks import check_run as _check
-
-    _check(config)
-
-
-def run_pipeline(config: TrainConfig, printer=None) -> dict:
-    """See `trustclip.train.pipeline.run_pipeline`."""
-    from trustclip.train.pipeline import run_pipeline as _run
-
-    return _run(config, printer)

@@ -4,23 +4,25 @@ A bad setting must cost seconds, not an SFT stage and an evaluation: `trustclip 
 `--print-config`), `trustclip compare` (every run, also with `--dry-run`) and `run_pipeline` itself call it.
 It checks, for the stages that will run: the output directory (and, with `resume`, the run it continues), the
 model (a local checkpoint folder, a hub id, or `builtin:tiny` with a valid shape), every data source (a file
-that exists, a known built-in split, a hub id), the objective with its hyper-parameters, the aggregation and
-the advantage estimator, then TRL's own `SFTConfig` / `GRPOConfig` checks (batch / G divisibility, schedule,
-`rl.trl_kwargs`), and the logging integrations. Reading and validating the data rows themselves is the
-pipeline's first step, also before any model is loaded.
+that exists, a known built-in split, a hub id), then the `SFTConfig` / `TrustClipGRPOConfig` the stages will use,
+built: the objective with its hyper-parameters, the aggregation, the advantage estimator, and TRL's own checks
+(batch / G divisibility, schedule, `rl.trl_kwargs`), and the logging integrations. Reading and validating the
+data rows themselves is the pipeline's first step, also before any model is loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from trustclip.data.loaders import BUILTIN_PREFIX, parse_benchmark_spec
 from trustclip.files import read_json
-from trustclip.train.config import TrainConfig, changed_settings, get_dotted, read_run_config
+from trustclip.train.config import TrainConfig, changed_settings, read_run_config
 
 
 def check_run(config: TrainConfig) -> None:
@@ -28,42 +30,31 @@ def check_run(config: TrainConfig) -> None:
     stages = config.stages
     if not stages:
         raise ValueError("stages: no stage left to run")
+    from trustclip.precision import resolve_bf16
+    from trustclip.train.stages import grpo_config, sft_config
+
     check_output_dir(config)
-    check_precision(config)
+    resolve_bf16(config.bf16)  # bf16=true on a machine that cannot honour it
     check_model(config.model.name_or_path, "model.name_or_path", tiny=config.model.tiny)
-    evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
     if "sft" in stages:
         sft = config.sft
         check_source(sft.data or config.data.train, "sft.data" if sft.data else "data.train")
     if "rl" in stages:
         check_source(config.data.train, "data.train")
-    if evaluates:
+    if config.evaluates:
         check_benchmarks(config.data.eval, config)
         check_evaluation(config)
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
-            _trl_check("sft", lambda: _stages().sft_config(config, Path(scratch)))
+            _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
         if "rl" in stages:
-            check_objective(config)
+            check_objective(config, scratch)
             check_trl_kwargs(config)
-            _trl_check("rl", lambda: _stages().grpo_config(config, Path(scratch)))
+            _trl_check(config, "rl", lambda: grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
     if config.model.lora:
         _need("peft", "model.lora=true")
-
-
-def check_precision(config: TrainConfig) -> None:
-    """`bf16=true` on a machine that cannot honour it (`trustclip.precision.bf16_problem`)."""
-    from trustclip.precision import resolve_bf16
-
-    resolve_bf16(config.bf16)
-
-
-def _stages() -> Any:
-    from trustclip.train import stages
-
-    return stages
 
 
 def check_output_dir(config: TrainConfig) -> None:
@@ -83,10 +74,8 @@ def check_output_dir(config: TrainConfig) -> None:
                          "redo every stage of the run")
     changed = changed_settings(config, data)
     if changed:
-        now, before = config.to_dict(), data
-        details = "; ".join(f"{key}={get_dotted(now, key)!r} (the run has {_saved(before, key)!r})"
-                            for key in changed)
-        raise ValueError(f"resume: {details}: a resumed run keeps the settings it was started with ({saved})")
+        raise ValueError(f"resume: {'; '.join(changed)} differ from {saved}: a resumed run keeps its settings; drop "
+                         "the override(s), or start a new run in another output_dir")
 
 
 def check_writable_dir(path: Path, option: str) -> None:
@@ -98,13 +87,6 @@ def check_writable_dir(path: Path, option: str) -> None:
         raise ValueError(f"{option}{str(path)!r}: {existing} is a file, so the folder cannot be made")
     if not os.access(existing, os.W_OK):
         raise ValueError(f"{option}{str(path)!r}: {existing} is not writable")
-
-
-def _saved(data: dict[str, Any], key: str) -> Any:
-    try:
-        return get_dotted(data, key)
-    except (KeyError, TypeError):
-        return "(default)"
 
 
 def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> None:
@@ -209,22 +191,15 @@ def _check_filter(bench: Any, config: TrainConfig | None) -> None:
         raise ValueError(f"data.eval: {err}") from None
 
 
-def check_objective(config: TrainConfig) -> None:
-    """The objective and its hyper-parameters, the aggregation and the advantage estimator (names as the rl
-    section spells them)."""
-    from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
+def check_objective(config: TrainConfig, scratch: str | None = None) -> None:
+    """The objective and its hyper-parameters, the aggregation and the advantage estimator, as `TrustClipGRPOConfig`
+    checks them (the rest of the rl section at TRL's defaults)."""
+    from trustclip.trainers import TrustClipGRPOConfig
 
     r = config.rl
-    try:
-        get_objective(r.objective, **r.objective_kwargs)
-    except ValueError as err:
-        raise ValueError(f"rl.objective={r.objective!r}, rl.objective_kwargs={r.objective_kwargs!r}: {err}"
-                         ) from None
-    if r.aggregation not in AGGREGATIONS:
-        raise ValueError(f"rl.aggregation={r.aggregation!r} is invalid: must be one of {', '.join(AGGREGATIONS)}")
-    if r.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"rl.advantage_estimator={r.advantage_estimator!r} is invalid: must be one of "
-                         f"{', '.join(ADVANTAGE_ESTIMATORS)}")
+    own = {"objective": r.objective, "objective_kwargs": r.objective_kwargs, "aggregation": r.aggregation,
+           "advantage_estimator": r.advantage_estimator}
+    _trl_check(config, "rl", lambda: TrustClipGRPOConfig(output_dir=scratch or tempfile.gettempdir(), **own))
 
 
 def check_trl_kwargs(config: TrainConfig) -> None:
@@ -271,7 +246,9 @@ def check_evaluation(config: TrainConfig) -> None:
                          "vllm --model RUN/rl/final`")
 
 
-def _trl_check(section: str, build: Any) -> None:
+def _trl_check(config: TrainConfig, section: str, build: Any) -> None:
+    """Build a stage's TRL config (its checks, and the objective's, run there); an error names the options as this
+    config spells them (`aggregation=` is `rl.aggregation=`, an rl.trl_kwargs key `rl.trl_kwargs.KEY=`)."""
     try:
         build()
     except TypeError as err:  # an unknown keyword: from rl.trl_kwargs
@@ -279,7 +256,16 @@ def _trl_check(section: str, build: Any) -> None:
     except ImportError as err:  # e.g. a deepspeed config without deepspeed
         raise ValueError(f"{section}.trl_kwargs: a package is missing: {' '.join(str(err).split())}") from None
     except ValueError as err:
-        raise ValueError(f"{section} (as TRL checks it): {err}") from None
+        values = getattr(config, section)
+        dotted = {name: f"{section}.{name}" for name in dataclasses.asdict(values)}
+        dotted |= {name: f"{section}.trl_kwargs.{name}" for name in getattr(values, "trl_kwargs", {})}
+        names = re.findall(OPTION, str(err))
+        if not any(name in dotted for name in names):
+            raise ValueError(f"{section} (as TRL checks it): {err}") from None
+        raise ValueError(re.sub(OPTION, lambda m: f"{dotted.get(m[1], m[1])}=", str(err))) from None
+
+
+OPTION = re.compile(r"(?<![\w.])(\w+)=")  # `name=` in an error message
 
 
 def check_report_to(report_to: list[str]) -> None:

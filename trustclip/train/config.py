@@ -11,9 +11,10 @@ TRL's `TrlParser` do not fit this layout: they give each dataclass field one fla
 sections share `learning_rate`, `max_steps`, ...), parse dict-valued fields only as JSON strings, and their
 `parse_dict` builds the dataclass without converting or checking any value.
 
-Each setting is declared once: the optimiser fields of the SFT and RL stages in `OptimizerArgs` (each section
-states only its defaults), the evaluation settings in `trustclip.evaluation.EvalArgs`, and the RL fields that
-TRL's `GRPOConfig` also has are handed to it by name (`trustclip.train.stages.grpo_config`).
+Each setting is declared once: the fields TRL's `SFTConfig` and trustclip's `TrustClipGRPOConfig` read are theirs
+(the sections take their help, type and default, and the embedded run's own values are one visible recipe,
+`SFT_RECIPE` / `RL_RECIPE`), the evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand every
+field of the same name to TRL (`trustclip.train.stages`).
 """
 
 from __future__ import annotations
@@ -21,20 +22,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+from trl import SFTConfig
 
 from trustclip.evaluation.evaluator import EvalArgs
 from trustclip.models import TinyModelConfig
 from trustclip.rewards import DEFAULT_TIMEOUT
+from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
 STAGES = ("sft", "rl", "eval")
-# Options that say how a run is driven, not what it computes: they may differ when a run is resumed.
-RUN_CONTROL = ("output_dir", "resume", "quiet", "plots", "report_to", "stages")
+# Options that say how a run is driven, not what it computes: they may differ when a run is resumed, and compare leaves
+# them out of a run's fingerprint. `stages` is not one of them: which stages a run has decides what it computes (RL
+# from the SFT model or from the base model; a shared SFT run is the stage sft alone), so a resumed run keeps them.
+RUN_CONTROL = ("output_dir", "resume", "quiet", "plots", "report_to")
 # TrainingArguments fields every stage takes from the top level of the config (train/stages.py: _trainer_args).
 RUN_WIDE = ("output_dir", "seed", "report_to", "bf16", "use_cpu")
 # Checked by pydantic in every section: unknown keys are errors, floats must be finite.
@@ -45,20 +51,6 @@ def _f(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors d
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
     return field(default=default, metadata={"help": help}, **kwargs)
-
-
-def section_defaults(**defaults: Any):
-    """Class decorator (under @dataclass): this section's defaults for fields declared in a base class, keeping
-    their declaration (type and help). One declaration per field, one default per section."""
-
-    def wrap(cls: type) -> type:
-        declared = {f.name: f for f in dataclasses.fields(cls.__mro__[1])}
-        for name, value in defaults.items():
-            setattr(cls, name, _f(value, declared[name].metadata["help"]))
-            cls.__annotations__[name] = declared[name].type
-        return cls
-
-    return wrap
 
 
 @dataclass
@@ -137,35 +129,72 @@ class DataArgs:
             raise ValueError(f"data.prompt_style: {err}") from None
 
 
-@dataclass(kw_only=True)
-class OptimizerArgs:
-    """The optimiser fields of a training stage (TrainingArguments fields of the same names, handed to TRL by name).
-    Each stage's section states its own defaults with `section_defaults`."""
+def _check_optimizer(section: Any, name: str) -> None:
+    _positive(section, name, ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"))
+    _check(section.learning_rate > 0, f"{name}.learning_rate", section.learning_rate, "> 0")
+    _check(section.warmup_steps >= 0, f"{name}.warmup_steps", section.warmup_steps, ">= 0")
+    _check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
+
+# The embedded run's recipe for the library fields the sft and rl sections expose. Each of these fields is declared
+# once, by the library that reads it (type, help and default: TRL's SFTConfig; trustclip's TrustClipGRPOConfig, a
+# GRPOConfig): LIBRARY keeps the library's default, any other value is this recipe's own, tuned for the CPU run.
+LIBRARY: Any = ...
+# SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
+SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
+              "weight_decay": LIBRARY, "per_device_train_batch_size": 64, "gradient_accumulation_steps": LIBRARY,
+              "max_length": 256}
+# RL: 64 prompts x G = 4 = 256 completions per micro-batch, large because a binary reward carries one bit per
+# completion; the peak rate decays on a cosine to 0 at max_steps. An unfinished answer scores 0 (truncated_reward), so
+# the policy keeps stopping after its answer, and zero-advantage groups are left out of the update (same direction,
+# less compute). The library resolves an unset objective / aggregation / advantage_estimator to kl3 / dr_grpo /
+# dr_grpo; a recipe states them.
+RL_RECIPE = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosine", "warmup_steps": LIBRARY,
+             "weight_decay": LIBRARY, "per_device_train_batch_size": 256, "gradient_accumulation_steps": LIBRARY,
+             "objective": "kl3", "objective_kwargs": {"delta": 0.07}, "aggregation": "dr_grpo",
+             "advantage_estimator": "dr_grpo", "max_grad_norm": LIBRARY, "num_generations": 4, "num_iterations": 2,
+             "steps_per_generation": LIBRARY, "temperature": 0.7, "top_p": LIBRARY, "top_k": LIBRARY,
+             "max_completion_length": 32, "beta": LIBRARY, "mask_truncated_completions": LIBRARY,
+             "truncated_reward": 0.0, "skip_zero_advantage": True, "save_steps": 50, "save_total_limit": 2,
+             "logging_steps": 1}
+
+
+def library_fields(library: type, recipe: dict[str, Any]):
+    """Class decorator (under @dataclass): the section's first fields are `library`'s fields named in `recipe`, with
+    the library's help and type (taken strictly, as every section's) and the recipe's value as their default."""
+
+    def wrap(cls: type) -> type:
+        declared, hints = {f.name: f for f in dataclasses.fields(library)}, typing.get_type_hints(library)
+        added = {}
+        for name, value in recipe.items():
+            own = declared[name].default if value is LIBRARY else value
+            setattr(cls, name, _f(own, declared[name].metadata["help"]))
+            added[name] = _strict(hints[name], declared[name].default)
+        cls.__annotations__ = {**added, **cls.__dict__.get("__annotations__", {})}
+        return cls
+
+    return wrap
+
+
+def _strict(hint: Any, default: Any) -> Any:
+    """A library field's type as the recipe takes it: no bool for an int, no string for a number, a mapping for a
+    dict, a string for an enum; a float field with a whole default (TRL's step counts, which may also be a fraction
+    of the run) keeps a whole number whole."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_strict(arg, default) for arg in typing.get_args(hint))]  # noqa: UP007
+    if typing.get_origin(hint) is list:
+        return list[_strict(typing.get_args(hint)[0], None)]
+    if hint is float:
+        return StrictInt | StrictFloat if isinstance(default, int) and not isinstance(default, bool) else StrictFloat
+    strict = {bool: StrictBool, int: StrictInt, str: StrictStr, dict: dict[str, Any], type(None): type(None)}
+    return strict.get(typing.get_origin(hint) or hint, StrictStr)
+
+
+@dataclass
+@library_fields(SFTConfig, SFT_RECIPE)
+class SFTArgs:
     __pydantic_config__ = STRICT
 
-    max_steps: StrictInt = field(metadata={"help": "Optimizer steps."})
-    learning_rate: StrictFloat = field(metadata={"help": "Peak learning rate."})
-    lr_scheduler_type: StrictStr = field(metadata={"help": "Learning-rate schedule (transformers SchedulerType; "
-                                                          "cosine decays to 0 at max_steps)."})
-    warmup_steps: StrictInt = field(metadata={"help": "Warm-up steps."})
-    weight_decay: StrictFloat = field(metadata={"help": "AdamW weight decay."})
-    per_device_train_batch_size: StrictInt = field(metadata={"help": "Micro-batch size per device (RL: completions, "
-                                                                    "prompts x G)."})
-    gradient_accumulation_steps: StrictInt = field(metadata={"help": "Micro-batches per optimizer step."})
-
-    def _check_optimizer(self, section: str) -> None:
-        _positive(self, section, ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"))
-        _check(self.learning_rate > 0, f"{section}.learning_rate", self.learning_rate, "> 0")
-        _check(self.warmup_steps >= 0, f"{section}.warmup_steps", self.warmup_steps, ">= 0")
-        _check(self.weight_decay >= 0, f"{section}.weight_decay", self.weight_decay, ">= 0")
-
-
-# SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
-@dataclass
-@section_defaults(max_steps=200, learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                  per_device_train_batch_size=64, gradient_accumulation_steps=1)
-class SFTArgs(OptimizerArgs):
     data: StrictStr | None = _f(None, "SFT rows (with worked solutions); default: the RL training source.")
     split: StrictStr = _f("train", "Split of a hub SFT dataset.")
     subset: StrictStr | None = _f(None, "Subset of a hub SFT dataset.")
@@ -174,63 +203,34 @@ class SFTArgs(OptimizerArgs):
     answer_key: StrictStr | None = _f(None, "Answer field of the SFT rows (default: data.answer_key).")
     limit: StrictInt | None = _f(400, "Keep only the first N SFT rows (null: all). SFT is for the format: it sees a "
                                  "small part of the pool, RL the whole of it.")
-    max_length: StrictInt | None = _f(256, "Truncate SFT examples to this many tokens.")
 
     def __post_init__(self) -> None:
-        self._check_optimizer("sft")
+        _check_optimizer(self, "sft")
         _check(self.limit is None or self.limit >= 1, "sft.limit", self.limit, ">= 1 (or null)")
         _check(self.max_length is None or self.max_length >= 1, "sft.max_length", self.max_length, ">= 1 (or null)")
 
 
-# RL: 64 prompts x G = 4 = 256 completions per micro-batch, large because a binary reward carries one bit per
-# completion; the peak rate decays on a cosine to 0 at max_steps.
 @dataclass
-@section_defaults(max_steps=350, learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
-                  per_device_train_batch_size=256, gradient_accumulation_steps=1)
-class RLArgs(OptimizerArgs):
-    objective: StrictStr = _f("kl3", "Objective (see `trustclip objectives`); kl3 = ATR-GRPO.")
-    objective_kwargs: dict[str, Any] = _f({"delta": 0.07}, "Objective hyper-parameters, e.g. {delta: 0.07}; a recipe "
-                                          "or --set that names rl.objective without them gives that objective's own "
-                                          "defaults.")
-    aggregation: StrictStr = _f("dr_grpo", "dr_grpo (Dr.GRPO, L_max = max_completion_length), token_mean, "
-                                "seq_mean_token_mean or seq_mean_token_sum.")
-    advantage_estimator: StrictStr = _f("dr_grpo", "dr_grpo (R - group mean), grpo (standardised) or rloo.")
-    max_grad_norm: StrictFloat = _f(1.0, "Gradient clipping norm.")
-    num_generations: StrictInt = _f(4, "Group size G (completions per prompt).")
-    num_iterations: StrictInt = _f(2, "Updates per generation batch (mu); >= 2 makes the ratio (and clipping) act.")
-    steps_per_generation: StrictInt | None = _f(None, "Optimizer micro-steps per generation batch (TRL); "
-                                                "> gradient_accumulation_steps also makes updates off-policy.")
-    temperature: StrictFloat = _f(0.7, "Sampling temperature during RL.")
-    top_p: StrictFloat = _f(1.0, "Sampling top-p during RL.")
-    top_k: StrictInt = _f(0, "Sampling top-k during RL (0 = off).")
-    max_completion_length: StrictInt = _f(32, "Generation budget per completion (tokens).")
-    beta: StrictFloat = _f(0.0, "KL-to-reference coefficient (0: no reference model).")
-    mask_truncated_completions: StrictBool = _f(False, "Exclude completions that hit max_completion_length from the "
-                                                "loss (DAPO's overlong filtering).")
-    truncated_reward: StrictFloat | None = _f(0.0, "Reward of a completion cut at max_completion_length (no EOS): 0 "
-                                              "makes an unfinished answer a wrong one, so the policy keeps stopping "
-                                              "after its answer; null scores its text as it is.")
-    skip_zero_advantage: StrictBool = _f(True, "Leave completions with advantage 0 (groups whose rewards all agree) "
-                                         "out of the update: DAPO's dynamic-sampling filter, without re-sampling. "
-                                         "Same update direction, less compute; raise the prompts per step to keep "
-                                         "more groups.")
+@library_fields(TrustClipGRPOConfig, RL_RECIPE)
+class RLArgs:
+    __pydantic_config__ = STRICT
+
     reward_timeout: StrictFloat = _f(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the RL "
                                      "reward and the evaluation.")
-    save_steps: StrictInt = _f(50, "Checkpoint every N steps (for --resume).")
-    save_total_limit: StrictInt | None = _f(2, "Keep at most N checkpoints.")
-    logging_steps: StrictInt = _f(1, "Log metrics every N steps.")
     eval_every: StrictInt = _f(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
     trl_kwargs: dict[str, Any] = _f({}, "Extra GRPOConfig fields, e.g. {entropy_coef: 0.001, "
                                     "top_entropy_quantile: 0.2}.")
 
     def __post_init__(self) -> None:
-        self._check_optimizer("rl")
+        _check_optimizer(self, "rl")
         _positive(self, "rl", ("num_generations", "num_iterations", "max_completion_length", "save_steps",
                                "logging_steps"))
+        for name in ("objective", "aggregation", "advantage_estimator"):  # the library's None: a recipe names them
+            _check(isinstance(getattr(self, name), str), f"rl.{name}", getattr(self, name), "a name")
+        _check(isinstance(self.objective_kwargs, dict), "rl.objective_kwargs", self.objective_kwargs, "a mapping")
         _check(self.temperature > 0, "rl.temperature", self.temperature, "> 0")
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "rl.top_k", self.top_k, ">= 0 (0 = off)")
-        _check(self.beta >= 0, "rl.beta", self.beta, ">= 0")
         _check(self.max_grad_norm > 0, "rl.max_grad_norm", self.max_grad_norm, "> 0")
         _check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
         _check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
@@ -279,6 +279,11 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def evaluates(self) -> bool:
+        """The run evaluates the held-out benchmarks (the eval stage, or RL with eval_every)."""
+        return "eval" in self.stages or ("rl" in self.stages and self.rl.eval_every > 0)
+
 
 # ------------------------------------------------------------------ validation helpers
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:
@@ -321,23 +326,19 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     if error["type"] == "value_error":
         return message  # our own __post_init__ checks name the key already
     if error["type"] == "unexpected_keyword_argument":
-        valid = ", ".join(".".join([*loc[:-1], f]) for f in _section_fields(cls, loc[:-1]))
+        section = _field_hint(".".join(loc[:-1]), cls)
+        valid = ", ".join(".".join([*loc[:-1], f.name]) for f in dataclasses.fields(section))
         return f"unknown option {name}; valid: {valid}"
     if error["type"] in ("dataclass_type", "dataclass_args_type"):
         return f"{name}: expected a mapping of options, got {error['input']!r}"
     return f"{name}={error['input']!r} is invalid: {message[0].lower()}{message[1:]}"
 
 
-def _section_fields(cls: type, path: list[str]) -> list[str]:
-    for part in path:
-        cls = typing.get_type_hints(cls)[part]
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _field_hint(key: str) -> Any:
-    """Type hint of the dotted option `key` (None for an unknown key or one inside a mapping value)."""
-    cls: Any = TrainConfig
-    for part in key.split("."):
+def _field_hint(key: str, root: type | None = None) -> Any:
+    """Type hint of the dotted option `key` of `root` (TrainConfig; "": root itself; None for an unknown key or one
+    inside a mapping value)."""
+    cls: Any = root or TrainConfig
+    for part in filter(None, key.split(".")):
         if not dataclasses.is_dataclass(cls):
             return None
         hints = typing.get_type_hints(cls)
@@ -381,31 +382,39 @@ _YamlLoader.add_implicit_resolver(
 
 
 def yaml_load(text: str) -> Any:
+    """`text` as YAML (`_YamlLoader`); ValueError with the parser's message on one line if it is not."""
     import yaml
 
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ValueError(" ".join(str(err).split())) from None
+
+
+def parse_value(raw: str) -> Any:
+    """A value as a command line writes it (`--set`, `--sweep`, `--hparam`), read as YAML: numbers (`1e-5` too),
+    true/false, null, [a, b], {k: v}; nothing is ""."""
+    try:
+        return yaml_load(raw) if raw.strip() else ""
+    except ValueError as err:
+        raise ValueError(f"value {raw!r} is not valid YAML ({err})") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`section.key=value` -> (key, YAML-parsed value): numbers, true/false, null, [a, b], {k: v}."""
-    import yaml
-
+    """`section.key=value` -> (key, `parse_value(value)`)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"--set {text!r}: expected KEY=VALUE, e.g. rl.learning_rate=1e-5")
     try:
-        value = yaml_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as err:
-        raise ValueError(f"--set {text!r}: value is not valid YAML ({' '.join(str(err).split())})") from None
-    return key, value
+        return key, parse_value(raw)
+    except ValueError as err:
+        raise ValueError(f"--set {text!r}: {err}") from None
 
 
 def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe as a dict. `base: other.yaml` (relative to the recipe) is loaded first and deep-merged under it,
     so a baseline recipe states only what differs from the recipe it extends."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
@@ -413,8 +422,8 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ValueError(f"{path}: circular `base:` chain {' -> '.join(map(str, _seen))}")
     try:
         data = yaml_load(path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: invalid YAML ({' '.join(str(err).split())})") from None
+    except ValueError as err:  # UnicodeDecodeError too
+        raise ValueError(f"{path}: invalid YAML ({err})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of options at the top level, got {type(data).__name__}")
     data.pop("description", None)  # free text for humans
@@ -425,12 +434,15 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return deep_merge(load_yaml(path.parent / base, (*_seen, path.resolve())), data)
 
 
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Sections merge key by key; any other value (lists and objective_kwargs included) is replaced."""
+def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[str, ...] | None = None
+               ) -> dict[str, Any]:
+    """Sections merge key by key; any other value (lists, and the mappings `replaced`: objective_kwargs and
+    trl_kwargs unless told otherwise) is replaced."""
+    replaced = REPLACED_MAPPINGS if replaced is None else replaced
     out = dict(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in REPLACED_MAPPINGS:
-            out[key] = deep_merge(out[key], value)
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in replaced:
+            out[key] = deep_merge(out[key], value, replaced)
         else:
             out[key] = value
     return out
@@ -486,9 +498,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def resume_config(explicit: dict[str, Any]) -> TrainConfig:
-    """The configuration of the run being resumed: its saved config.yaml, with what the command line states on top.
-    A stated value that differs from the run's (other than how the run is driven, RUN_CONTROL) is an error naming
-    the key and both values: a resumed run continues the run it resumes."""
+    """The configuration of the run being resumed: its saved config.yaml, with what the command line states on top
+    (`check_run` then refuses a stated value that differs from the run's: a resumed run continues the run it
+    resumes)."""
     out = Path(explicit.get("output_dir") or TrainConfig.output_dir)
     saved_path = out / "config.yaml"
     if not out.is_dir():
@@ -497,26 +509,16 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
     if not saved_path.is_file():
         raise FileNotFoundError(f"--resume: {out} holds no trustclip run ({saved_path.name} is missing)")
     saved = read_run_config(saved_path, "--resume")
-    saved_config = from_dict(TrainConfig, saved).to_dict()
-    # quiet is this command's choice, not the run's
-    merged = from_dict(TrainConfig, _merge_all({**saved, "quiet": False}, {**explicit, "resume": True}))
-    conflicts = [f"{key}={get_dotted(merged.to_dict(), key)!r} (the run has {get_dotted(saved_config, key)!r})"
-                 for key in _leaf_keys(explicit) if key.split(".")[0] not in RUN_CONTROL
-                 and get_dotted(merged.to_dict(), key) != get_dotted(saved_config, key)]
-    if conflicts:
-        raise ValueError(f"--resume: {'; '.join(conflicts)} differ from {saved_path}: a resumed run keeps its "
-                         "settings; drop the override(s), or start a new run in another --output-dir")
-    return merged
+    # quiet is this command's choice, not the run's; `--set rl.objective_kwargs.delta=...` touches one value
+    return from_dict(TrainConfig, deep_merge({**saved, "quiet": False}, {**explicit, "resume": True}, replaced=()))
 
 
 def read_run_config(path: Path, what: str) -> dict[str, Any]:
     """A run's saved settings (its config.yaml) as a dict, checked: a file that is not YAML, not a mapping, or holds
     settings this version rejects is a ValueError naming the file (`what`: the command or option reading it)."""
-    import yaml
-
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+    except (OSError, ValueError) as err:
         detail = " ".join(str(err).split())
         raise ValueError(f"{what}: {path} is not a readable run configuration ({detail}); restore it from a copy, "
                          "or start a new run in another output folder") from None
@@ -528,14 +530,6 @@ def read_run_config(path: Path, what: str) -> dict[str, Any]:
     except ValueError as err:
         raise ValueError(f"{what}: {path} holds settings this trustclip rejects: {err}") from None
     return data
-
-
-def _merge_all(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge into every mapping, so `--set rl.objective_kwargs.delta=...` touches one hyper-parameter."""
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge_all(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
 
 
 def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
@@ -550,10 +544,11 @@ def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
-    """Dotted names of the options whose value in `config` differs from the saved run's (RUN_CONTROL aside)."""
+    """`key=value (the run has value)` for each option whose value in `config` differs from the saved run's
+    (RUN_CONTROL aside): what a resumed run may not change."""
     now, before = config.to_dict(), from_dict(TrainConfig, saved).to_dict()
-    return [key for key in _leaf_keys(now) if key.split(".")[0] not in RUN_CONTROL
-            and get_dotted(now, key) != get_dotted(before, key)]
+    return [f"{key}={get_dotted(now, key)!r} (the run has {get_dotted(before, key)!r})" for key in _leaf_keys(now)
+            if key.split(".")[0] not in RUN_CONTROL and get_dotted(now, key) != get_dotted(before, key)]
 
 
 def option_table() -> list[tuple[str, str, str]]:

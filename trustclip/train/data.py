@@ -37,9 +37,7 @@ def synthetic_splits(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
 def _synthetic(seed: int, n_train: int, n_eval: int, levels: tuple[int, ...], max_operand: int | None) -> dict:
     from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, LEVELS, make_synthetic_splits
 
-    def level(k: int) -> Any:
-        if k not in LEVELS:
-            raise ValueError(f"data.builtin_train_levels: unknown level {k!r}; known: {sorted(LEVELS)}")
+    def level(k: int) -> Any:  # data.builtin_train_levels is checked (DataArgs)
         return LEVELS[k] if max_operand is None else dataclasses.replace(LEVELS[k], hi=max_operand)
 
     evals = {name: [level(k) for k in lvs] for name, lvs in DEFAULT_EVAL_SPLITS.items()}

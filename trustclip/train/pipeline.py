@@ -176,10 +176,9 @@ class StageData:
 
 def load_stage_data(config: TrainConfig) -> StageData:
     stages = config.stages
-    evaluates = "eval" in stages or ("rl" in stages and config.rl.eval_every > 0)
     return StageData(sft=sft_rows(config) if "sft" in stages else None,
                      rl=rl_rows(config) if "rl" in stages else None,
-                     benchmarks=load_benchmarks(config) if evaluates else None)
+                     benchmarks=load_benchmarks(config) if config.evaluates else None)
 
 
 def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:

@@ -16,7 +16,7 @@ from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
 from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
-from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
+from trustclip.trainers.trl_options import SCALE_REWARDS_OF, is_number, spelled
 from trustclip.trainers.trl_options import translate as translate_trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
@@ -26,112 +26,82 @@ FULL_KL_STORAGES = ("hidden", "topk")
 GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 
+def _field(default: Any, help: str) -> Any:  # noqa: A002 - dataclasses' metadata["help"], as TRL's configs
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
     r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options
     (`loss_type`, `epsilon`, `epsilon_high`, `delta`, `sapo_temperature_*`, `vespo_*`, `scale_rewards`) are honoured
     where they are exactly a trustclip setting (`loss_type="dapo", epsilon_high=0.28` is `clip_higher` with
     `token_mean`; see `trustclip.trainers.trl_options`) and refused otherwise, also when they contradict an
-    `objective`, `aggregation` or `advantage_estimator` given here. Never ignored.
-
-    Parameters:
-        objective (`str`, defaults to `"kl3"`):
-            Objective name from `trustclip.list_objectives()` (e.g. `kl3` = ATR-GRPO, `clip`, `clip_higher`,
-            `dual_clip`, `dcpo`, `sapo`, `clip_cov`, `gspo`, ...); unset, the one TRL's loss options spell, else
-            `kl3`. `atr_adaptive` moves its delta once per
-            generation batch and needs each optimizer step inside one generation batch (`steps_per_generation x
-            num_iterations` a multiple of `gradient_accumulation_steps`; TRL's defaults are).
-        objective_kwargs (`dict` or `str`, *optional*):
-            Hyper-parameters of the objective (a dict, or a JSON string), e.g. `{"delta": 0.07}`.
-        aggregation (`str`, defaults to `"dr_grpo"`):
-            `dr_grpo` (sum / (B * L_max), Dr.GRPO), `token_mean` (DAPO), `seq_mean_token_mean` (GRPO) or
-            `seq_mean_token_sum`; unset, the one of TRL's `loss_type` if given, else `dr_grpo`.
-        advantage_estimator (`str`, defaults to `"dr_grpo"`):
-            `dr_grpo` (R - group mean), `grpo` (group-standardised, TRL's `scale_rewards="group"`) or `rloo`
-            (leave-one-out baseline); unset, the one of TRL's `scale_rewards` if given, else `dr_grpo`.
-        max_len_normalizer (`int`, *optional*):
-            L_max of the `dr_grpo` aggregation; defaults to `max_completion_length`.
-        truncated_reward (`float`, *optional*):
-            Reward of a completion that hit `max_completion_length` without an EOS (every reward function's
-            score of it is replaced). `0.0` makes an unfinished answer a wrong one, so the policy cannot drift
-            into never stopping after its answer; unlike `mask_truncated_completions` (DAPO's overlong
-            filtering) such completions still get a (negative) gradient. Default: score them as they are.
-        skip_zero_advantage (`bool`, defaults to `False`):
-            Leave completions whose advantage is exactly 0 out of the policy update: with a binary reward, every
-            group whose rewards all agree (the filter of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11,
-            without its re-sampling). They carry no policy gradient, so the update direction is unchanged
-            (beta = 0, no entropy bonus, an objective without batch statistics; Clip-Cov / KL-Cov select among
-            the kept tokens) and each update is cheaper. Normalisers count the kept completions, as DAPO's filtered
-            batch; the logged entropy, clip fractions and ratios describe them too. To keep more informative
-            groups per update, raise the generation batch (prompts per step or `steps_per_generation`).
-        full_kl_storage (`str`, defaults to `"hidden"`):
-            What objectives that need the full-vocabulary KL(pi_old || pi) (`truly_ppo`) keep of pi_old per completion
-            token, instead of its whole log-softmax (4 V bytes per token). `"hidden"`: the final hidden state (the LM
-            head's input, 4 H bytes; plus one frozen copy of the head per generation batch when the head trains),
-            from which pi_old's logits are recomputed chunk by chunk: the KL is exact. `"topk"`: the `full_kl_topk`
-            largest log-probs plus the tail mass (8 k + 4 bytes), and the KL of the coarse-grained distributions: a
-            lower bound, low by the tail mass times the KL within the tail (`trustclip.objectives.topk_kl`); the
-            smaller when H is large and completions long.
-        full_kl_topk (`int`, defaults to `256`):
-            k of `full_kl_storage="topk"`; k >= V - 1 keeps the whole distribution (exact).
-        generation_dtype (`str`, *optional*):
-            Sample completions from a copy of the policy in this dtype (`"bfloat16"`), its LoRA adapter merged,
-            refreshed from the policy before each generation (`trustclip.precision.LowPrecisionCopy`). The
-            log-probs of the update (old and new) still come from the policy, so the ratio is unchanged; the copy
-            only decides which tokens are sampled, as vLLM does. Pays on CPU (`benchmarks/real_model_step.py`).
-            Default: TRL's generation from the policy itself.
+    `objective`, `aggregation` or `advantage_estimator` given here. Never ignored. Each field's documentation is its
+    `help` (as TRL's configs, for `HfArgumentParser` and `trustclip train --help`).
     """
 
-    objective: str | None = field(default=None, metadata={"help": "trustclip objective name (see `trustclip "
-                                                                "objectives`); default kl3, or the one TRL's loss "
-                                                                "options spell."})
-    objective_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Objective hyper-parameters (dict or JSON string), e.g. '{\"delta\": 0.07}'."}
-    )
-    aggregation: str | None = field(
-        default=None, metadata={"help": f"Loss aggregation, one of {', '.join(AGGREGATIONS)} (default dr_grpo, or "
-                                        "the one of TRL's loss_type)."}
-    )
-    advantage_estimator: str | None = field(
-        default=None, metadata={"help": f"Advantage estimator, one of {', '.join(ADVANTAGE_ESTIMATORS)} (default "
-                                        "dr_grpo, or the one of TRL's scale_rewards)."}
-    )
-    max_len_normalizer: int | None = field(
-        default=None, metadata={"help": "L_max of the dr_grpo aggregation (default: max_completion_length)."}
-    )
-    truncated_reward: float | None = field(
-        default=None, metadata={"help": "Reward of completions cut at max_completion_length (default: as scored)."}
-    )
-    skip_zero_advantage: bool = field(
-        default=False, metadata={"help": "Leave completions with advantage 0 (groups whose rewards all agree) out of "
-                                         "the policy update (DAPO's dynamic-sampling filter, without re-sampling)."}
-    )
-    full_kl_storage: str = field(
-        default="hidden", metadata={"help": "truly_ppo: what is kept of pi_old per token for the full-vocabulary KL: "
-                                            "'hidden' (final hidden state; exact KL) or 'topk' (top-k + tail mass)."}
-    )
-    full_kl_topk: int = field(
-        default=DEFAULT_TOPK, metadata={"help": "k of full_kl_storage='topk' (old-policy tokens kept per position; "
-                                                ">= V - 1 is exact)."}
-    )
-    generation_dtype: str | None = field(
-        default=None, metadata={"help": "Sample from a merged copy of the policy in this dtype (bfloat16, float16 or "
-                                        "float32), refreshed before each generation (default: the policy itself)."}
-    )
+    objective: str | None = _field(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
+                                   "clip_higher, dual_clip, dcpo, sapo, clip_cov, gspo, ...); unset: the one TRL's "
+                                   "loss options spell, else kl3. atr_adaptive moves its delta once per generation "
+                                   "batch and needs each optimizer step inside one generation batch "
+                                   "(steps_per_generation x num_iterations a multiple of gradient_accumulation_steps; "
+                                   "TRL's defaults are).")
+    objective_kwargs: dict | str | None = _field(None, "Hyper-parameters of the objective (a dict, or a JSON string), "
+                                                 "e.g. {\"delta\": 0.07}; unset: the objective's own defaults.")
+    aggregation: str | None = _field(None, "dr_grpo (sum / (B * L_max), Dr.GRPO), token_mean (DAPO), "
+                                     "seq_mean_token_mean (GRPO) or seq_mean_token_sum; unset: the one of TRL's "
+                                     "loss_type if given, else dr_grpo.")
+    advantage_estimator: str | None = _field(None, "dr_grpo (R - group mean), grpo (group-standardised, TRL's "
+                                             "scale_rewards='group') or rloo (leave-one-out baseline); unset: the one "
+                                             "of TRL's scale_rewards if given, else dr_grpo.")
+    max_len_normalizer: int | None = _field(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
+    truncated_reward: float | None = _field(None, "Reward of a completion that hit max_completion_length without an "
+                                            "EOS (every reward function's score of it is replaced). 0.0 makes an "
+                                            "unfinished answer a wrong one, so the policy cannot drift into never "
+                                            "stopping after its answer; unlike mask_truncated_completions (DAPO's "
+                                            "overlong filtering) such completions still get a (negative) gradient. "
+                                            "Unset: score them as they are.")
+    skip_zero_advantage: bool = _field(False, "Leave completions whose advantage is exactly 0 out of the policy "
+                                       "update: with a binary reward, every group whose rewards all agree (the filter "
+                                       "of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11, without its "
+                                       "re-sampling). They carry no policy gradient, so the update direction is "
+                                       "unchanged (beta = 0, no entropy bonus, an objective without batch statistics; "
+                                       "Clip-Cov / KL-Cov select among the kept tokens) and each update is cheaper. "
+                                       "Normalisers count the kept completions, as DAPO's filtered batch; the logged "
+                                       "entropy, clip fractions and ratios describe them too. To keep more "
+                                       "informative groups per update, raise the generation batch (prompts per step "
+                                       "or steps_per_generation).")
+    full_kl_storage: str = _field("hidden", "What objectives that need the full-vocabulary KL(pi_old || pi) "
+                                  "(truly_ppo) keep of pi_old per completion token, instead of its whole log-softmax "
+                                  "(4 V bytes per token). 'hidden': the final hidden state (the LM head's input, 4 H "
+                                  "bytes; plus one frozen copy of the head per generation batch when the head "
+                                  "trains), from which pi_old's logits are recomputed chunk by chunk: the KL is exact. "
+                                  "'topk': the full_kl_topk largest log-probs plus the tail mass (8 k + 4 bytes), and "
+                                  "the KL of the coarse-grained distributions: a lower bound, low by the tail mass "
+                                  "times the KL within the tail (trustclip.objectives.topk_kl); the smaller when H is "
+                                  "large and completions long.")
+    full_kl_topk: int = _field(DEFAULT_TOPK, "k of full_kl_storage='topk'; k >= V - 1 keeps the whole distribution "
+                               "(exact).")
+    generation_dtype: str | None = _field(None, "Sample completions from a copy of the policy in this dtype "
+                                          "(bfloat16, float16 or float32), its LoRA adapter merged, refreshed from "
+                                          "the policy before each generation (trustclip.precision.LowPrecisionCopy). "
+                                          "The log-probs of the update (old and new) still come from the policy, so "
+                                          "the ratio is unchanged; the copy only decides which tokens are sampled, as "
+                                          "vLLM does. Pays on CPU (benchmarks/real_model_step.py). Unset: TRL's "
+                                          "generation from the policy itself.")
     # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
-    loss_type: str | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    epsilon: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    epsilon_high: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    delta: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    sapo_temperature_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    sapo_temperature_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    vespo_k_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    vespo_lambda_pos: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    vespo_k_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    vespo_lambda_neg: float | None = field(default=None, metadata={"help": _TRL_LOSS_HELP})
-    scale_rewards: str | bool | None = field(default=None, metadata={"help": "TRL's reward scaling: unset, the one "
-                                                                             "advantage_estimator needs; given, it "
-                                                                             "chooses the advantage estimator."})
+    loss_type: str | None = _field(None, _TRL_LOSS_HELP)
+    epsilon: float | None = _field(None, _TRL_LOSS_HELP)
+    epsilon_high: float | None = _field(None, _TRL_LOSS_HELP)
+    delta: float | None = _field(None, _TRL_LOSS_HELP)
+    sapo_temperature_pos: float | None = _field(None, _TRL_LOSS_HELP)
+    sapo_temperature_neg: float | None = _field(None, _TRL_LOSS_HELP)
+    vespo_k_pos: float | None = _field(None, _TRL_LOSS_HELP)
+    vespo_lambda_pos: float | None = _field(None, _TRL_LOSS_HELP)
+    vespo_k_neg: float | None = _field(None, _TRL_LOSS_HELP)
+    vespo_lambda_neg: float | None = _field(None, _TRL_LOSS_HELP)
+    scale_rewards: str | bool | None = _field(None, "TRL's reward scaling: unset, the one advantage_estimator needs; "
+                                              "given, it chooses the advantage estimator.")
 
     def __post_init__(self) -> None:
         if self.bf16 is None and not self.fp16 and not torch.cuda.is_available():
@@ -172,23 +142,19 @@ class TrustClipGRPOConfig(GRPOConfig):
         self._apply_trl_loss_options()
         if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
             # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
-            get_objective(self.objective, **self.objective_kwargs)
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={self.aggregation!r} is invalid; valid: {', '.join(AGGREGATIONS)}")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator={self.advantage_estimator!r} is invalid; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
-            )
+            try:
+                get_objective(self.objective, **self.objective_kwargs)
+            except ValueError as err:
+                raise ValueError(f"objective={self.objective!r}, objective_kwargs={self.objective_kwargs!r}: {err}"
+                                 ) from None
+        for name, valid in (("aggregation", AGGREGATIONS), ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+                            ("full_kl_storage", FULL_KL_STORAGES), ("generation_dtype", (*GENERATION_DTYPES, None))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; valid: {', '.join(map(str, valid))}")
         if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
             raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
-        if self.full_kl_storage not in FULL_KL_STORAGES:
-            raise ValueError(f"full_kl_storage={self.full_kl_storage!r} is invalid; valid: "
-                             f"{', '.join(FULL_KL_STORAGES)}")
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
-        if self.generation_dtype is not None and self.generation_dtype not in GENERATION_DTYPES:
-            raise ValueError(f"generation_dtype={self.generation_dtype!r} is invalid; valid: "
-                             f"{', '.join(GENERATION_DTYPES)} (or None)")
         if self.generation_dtype is not None and self.use_vllm:
             raise ValueError("generation_dtype samples from a copy of the policy in this process; with use_vllm=True "
                              "vLLM samples: leave generation_dtype unset")
@@ -231,18 +197,12 @@ class TrustClipGRPOConfig(GRPOConfig):
         self.advantage_estimator = self.advantage_estimator or trl.advantage_estimator or "dr_grpo"
 
     def _check_batches(self) -> None:
-        generate_every = self.steps_per_generation * self.num_iterations
-        if self.skip_zero_advantage and generate_every % self.gradient_accumulation_steps:
-            # processes then hold different numbers of rows, and only whole windows have exact counts
-            raise ValueError(
-                f"skip_zero_advantage needs each optimizer step inside one generation batch: steps_per_generation="
-                f"{self.steps_per_generation} x num_iterations={self.num_iterations} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps}"
-            )
-        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+        # skip_zero_advantage: processes then hold different numbers of rows, and only whole windows have exact counts
+        message = _split_step_error(self, "skip_zero_advantage") if self.skip_zero_advantage else None
+        if not message and not (self.objective == "general" and "constraint" not in self.objective_kwargs):
             message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
-            if message:
-                raise ValueError(message)
+        if message:
+            raise ValueError(message)
 
 
 def check_honoured_trl_options(args: GRPOConfig) -> None:
@@ -252,16 +212,16 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
     import importlib.util
 
     quantile = args.top_entropy_quantile
-    if not (_is_number(quantile) and 0.0 <= quantile <= 1.0):
+    if not (is_number(quantile) and 0.0 <= quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile={quantile!r} is invalid: must be in [0, 1] (the fraction of tokens "
                          "kept by entropy; 1 keeps all)")
     threshold = args.off_policy_mask_threshold
-    if threshold is not None and not (_is_number(threshold) and 0.0 <= threshold < math.inf):
+    if threshold is not None and not (is_number(threshold) and 0.0 <= threshold < math.inf):
         raise ValueError(f"off_policy_mask_threshold={threshold!r} is invalid: must be a finite number >= 0 (or None)")
     for name in ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
                  "entropy_target"):
         value = getattr(args, name)
-        if not (_is_number(value) and math.isfinite(value)):
+        if not (is_number(value) and math.isfinite(value)):
             raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
     for name in ("beta", "entropy_coef_delta"):
         if getattr(args, name) < 0:
@@ -287,19 +247,20 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
         pass  # optimizers that need the model are checked by transformers when training starts
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
     """Why an adaptive objective cannot run with these batch settings, or None."""
-    generate_every = args.steps_per_generation * args.num_iterations
-    if objective not in ADAPTIVE_OBJECTIVES or generate_every % args.gradient_accumulation_steps == 0:
+    if objective not in ADAPTIVE_OBJECTIVES:
         return None
-    return (f"objective {objective!r} moves delta once per generation batch and needs each optimizer step inside one "
-            f"generation batch: steps_per_generation={args.steps_per_generation} x num_iterations="
-            f"{args.num_iterations} must be a multiple of gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps}")
+    return _split_step_error(args, f"objective {objective!r} moves delta once per generation batch and")
+
+
+def _split_step_error(args: GRPOConfig, who: str) -> str | None:
+    """Why `who` cannot run when an optimizer step spans two generation batches (and it does), or None."""
+    if (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0:
+        return None
+    return (f"{who} needs each optimizer step inside one generation batch: steps_per_generation="
+            f"{args.steps_per_generation} x num_iterations={args.num_iterations} must be a multiple of "
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
 
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
