@@ -220,7 +220,7 @@ def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_pa
 
 
 def test_issue27_item10_eval_backend_vllm_without_vllm_is_refused_before_any_work(tmp_path, capsys):
-    from trustclip.evaluation.evaluator import vllm_available
+    from trustclip.evaluation.generation import vllm_available
 
     if vllm_available():
         pytest.skip("vLLM and a GPU are here")

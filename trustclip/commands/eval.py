@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, DataFormatError) as err:
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
-    from trustclip.evaluation.evaluator import evaluate_checkpoints, format_table, write_report
+    from trustclip.evaluation.evaluator import evaluate_checkpoints
+    from trustclip.evaluation.report import format_table, write_report
     from trustclip.rewards import default_verifier
     from trustclip.train.data import load_benchmarks
     from trustclip.train.stages import model_dtype
@@ -183,7 +184,7 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     device and the output folder."""
     import dataclasses
 
-    from trustclip.evaluation.evaluator import check_backend
+    from trustclip.evaluation.generation import check_backend
     from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
     from trustclip.train.stages import eval_config
 

@@ -18,16 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trustclip.evaluation.config import EvalArgs, EvalConfig
+from trustclip.evaluation.config import EvalConfig
 from trustclip.evaluation.generation import check_backend, generate_hf, generate_vllm, vllm_available
 from trustclip.evaluation.metrics import AVERAGE, benchmark_metrics, metric_curves
-from trustclip.evaluation.report import final_and_best, format_table, write_report
-
-# Config, generation and report names stay importable from here for importers of the former single module
-# (train/config.py, commands/eval.py, tests/test_train_checks.py).
-
-__all__ = ["EvalArgs", "EvalConfig", "EvalResult", "check_backend", "evaluate", "evaluate_checkpoints",
-           "final_and_best", "format_table", "vllm_available", "write_report"]
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
 from trl import SFTConfig
 
-from trustclip.evaluation.evaluator import EvalArgs
+from trustclip.evaluation.config import EvalArgs
 from trustclip.models import TinyModelConfig
 from trustclip.rewards import DEFAULT_TIMEOUT
 from trustclip.trainers.trl_config import TrustClipGRPOConfig
