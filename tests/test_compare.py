@@ -114,7 +114,7 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
     import dataclasses
 
     import trustclip.train.config as config_module
-    from trustclip.compare.worker import build_config
+    from trustclip.compare.runner import build_config
 
     sft = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]
     assert sft.kind == "sft" and sft.config["rl"] == {} and sft.config["eval"] == {}
@@ -399,7 +399,7 @@ def fake_env(tmp_path, monkeypatch):
 
 def finish_in_process(settings: CompareSettings, monkeypatch) -> list:
     """Every planned run finished by the worker's own code in this process (no worker processes: fast)."""
-    import trustclip.compare.worker as worker
+    import trustclip.compare.runner as worker
     from trustclip.compare.runner import prepare_run_dir
 
     monkeypatch.setattr(worker, "_set_threads", lambda threads: None)  # leave this process's torch threads alone
@@ -691,7 +691,7 @@ def test_issue27_item13_a_run_another_compare_is_making_is_waited_for(fake_env, 
     instead of failing it at once."""
     import threading
 
-    import trustclip.compare.worker as worker
+    import trustclip.compare.runner as worker
     from trustclip.compare.runner import prepare_run_dir
     from trustclip.files import try_lock
 
