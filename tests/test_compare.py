@@ -912,3 +912,25 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
 
 def average_split(objective: str, seed: int, split: int) -> float:
     return FAKE["value"](objective, seed, split)
+
+
+def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatch):
+    """A partial run whose resume fails is reported failed (no silent restart from scratch); the message names the
+    two ways on, and --restart-partial (resume_partial=False) then starts it afresh."""
+    monkeypatch.setenv("FAKE_FAIL", "clip")
+    settings = fake_settings(fake_env, objectives=("clip",), seeds=(0,))
+    assert run_compare(settings, say=lambda s: None) == 1  # the fake pipeline leaves state.json behind
+    n = len(events(fake_env))
+    said: list[str] = []
+    assert run_compare(settings, say=said.append) == 1
+    rerun = events(fake_env, n)
+    assert [(r["event"], r.get("resumed")) for r in rerun if r["event"] in ("start", "fail")] == [
+        ("start", True), ("fail", None)]
+    assert any("rerun to resume it, or --restart-partial to start it afresh" in line for line in said)
+    monkeypatch.delenv("FAKE_FAIL")
+    settings.resume_partial = False
+    n = len(events(fake_env))
+    assert run_compare(settings, say=lambda s: None) == 0
+    assert [r["resumed"] for r in events(fake_env, n) if r["event"] == "start"] == [False]
+    calls = (fake_env / "runs" / "clip" / "seed0" / "calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith("resume=False")  # the failed attempts' files were removed

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from trustclip.compare.results import SERIES, Group
+from trustclip.compare.results import SERIES, Group, metric_title, title_of
 from trustclip.figures import COLORS, color_for, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window as plot_window
 from trustclip.train.plots import smooth
@@ -75,15 +75,6 @@ def at_k_band(group: Group, split: str, kind: str) -> Band | None:
 def default_window(groups: Sequence[Group]) -> int:
     """The training plots' window for the longest run."""
     return plot_window(max((len(s[0]) for g in groups for r in g.runs for s in r.series.values()), default=1))
-
-
-def title_of(split: str) -> str:
-    return "Average" if split == "average" else split
-
-
-def metric_title(metric: str) -> str:
-    name, _, k = metric.partition("@")
-    return f"{name.capitalize()}@{k}"
 
 
 def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], out: Path,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trustclip import metric_names as names
-from trustclip.compare.figures import FIGURES_DIR, make_figures, metric_title, title_of
+from trustclip.compare.figures import FIGURES_DIR, make_figures
 from trustclip.compare.plan import RunSpec, format_value, resolve_reference
 from trustclip.compare.results import (
     AVERAGE,
@@ -28,9 +28,11 @@ from trustclip.compare.results import (
     Group,
     RunRecord,
     group_aggregates,
+    metric_title,
     paired_comparisons,
     splits_of,
     tidy,
+    title_of,
 )
 from trustclip.compare.stats import LEVEL, Difference, Estimate, Stat, stat
 from trustclip.compare.text import (
@@ -193,12 +195,17 @@ def _run_json(r: RunRecord) -> dict[str, Any]:
             "seconds": r.seconds, "rl_steps": r.rl_steps}
 
 
-def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_runs: Sequence[RunSpec]) -> list[str]:
+def sft_seconds(sft_runs: Sequence[RunSpec]) -> Stat:
+    """Seconds of the shared SFT runs (from their summary.json)."""
+    return stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
+                 if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
+
+
+def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_runs: Sequence[RunSpec],
+                   sft_time: Stat) -> list[str]:
     cfg = records[0].spec.config
     rl, ev, data = cfg["rl"], cfg["eval"], cfg["data"]
     seconds = stat([r.seconds.get("total", math.nan) for r in records])
-    sft_seconds = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
-                        if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
     return [
         f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
         f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
@@ -217,7 +224,7 @@ def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_r
         f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
         f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs",
         *([f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model ({len(sft_runs)} SFT "
-           f"run(s) in `runs/_sft*`, {fmt_pm(sft_seconds, 1.0, 0)} s each; not included in the seconds per run "
+           f"run(s) in `runs/_sft*`, {fmt_pm(sft_time, 1.0, 0)} s each; not included in the seconds per run "
            "below)"] if sft_runs else []),
     ]
 
@@ -290,8 +297,10 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     if start_spread > 1e-9:
         text.append(f"Runs of the same seed started RL from SFT models whose {metric_title(metrics[0])} differs by "
                     f"up to {fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
-    md = _markdown(records, groups, splits, metrics, _setting_lines(settings, records, sft_runs), text, figs, out,
-                   start, missing, failed or {}, _statistics_markdown(groups, metrics, reference, diffs, aggregates, k))
+    sft_time = sft_seconds(sft_runs)
+    md = _markdown(records, groups, splits, metrics, _setting_lines(settings, records, sft_runs, sft_time), text,
+                   figs, out, start, missing, failed or {},
+                   _statistics_markdown(groups, metrics, reference, diffs, aggregates, k))
     paths = {"report": write_text_atomic(out / "report.md", md),
              "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates, records), CSV_COLUMNS),
              "curves": _write_csv(out / "curves.csv", curve_rows,
@@ -300,7 +309,8 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
         "settings": settings, "k": k, "splits": splits, "metrics": metrics,
         "planned": [s.run_id for s in planned], "missing": missing, "failed": failed or {},
         "findings": text, "groups": [_group_json(g) for g in groups], "runs": [_run_json(r) for r in records],
-        "rl_start": {s: st.to_dict() for s, st in start.items()}, "shared_sft": [s.run_id for s in sft_runs],
+        "rl_start": {s: st.to_dict() for s, st in start.items()},
+        "shared_sft": {"runs": [s.run_id for s in sft_runs], "seconds": sft_time.to_dict()},
         "figures": [str(p.relative_to(out)) for p in figs], "reference": reference,
         "method": method_lines(reference, k),
         "outcomes": {o.key: outcome_label(o, k) for o in OUTCOMES}, "comparisons": [d.to_dict() for d in diffs],

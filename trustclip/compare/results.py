@@ -249,6 +249,15 @@ def group_runs(records: Sequence[RunRecord]) -> list[Group]:
     return list(groups.values())
 
 
+def title_of(split: str) -> str:
+    return "Average" if split == AVERAGE else split
+
+
+def metric_title(metric: str) -> str:
+    name, _, k = metric.partition("@")
+    return f"{name.capitalize()}@{k}"
+
+
 def splits_of(records: Sequence[RunRecord]) -> list[str]:
     """Held-out splits in first-seen order, `average` last."""
     found = list(dict.fromkeys(s for r in records for s in r.final if s != AVERAGE))

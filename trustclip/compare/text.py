@@ -10,8 +10,7 @@ import math
 from collections.abc import Sequence
 
 from trustclip import metric_names as names
-from trustclip.compare.figures import metric_title, title_of
-from trustclip.compare.results import AVERAGE, OFFPOLICY, OUTCOME, PRIMARY, Group, Outcome
+from trustclip.compare.results import AVERAGE, OFFPOLICY, OUTCOME, PRIMARY, Group, Outcome, metric_title, title_of
 from trustclip.compare.stats import LEVEL, MAX_SEEDS, RESAMPLES, Difference, Stat, paired_difference, sweep_trend
 
 
