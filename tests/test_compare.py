@@ -114,7 +114,7 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
     import dataclasses
 
     import trustclip.train.config as config_module
-    from trustclip.compare.worker import build_config
+    from trustclip.compare.runner import build_config
 
     sft = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]
     assert sft.kind == "sft" and sft.config["rl"] == {} and sft.config["eval"] == {}
@@ -287,16 +287,16 @@ def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_p
 
 # ----------------------------------------------------------------------------------- statistics and text
 def test_rank_sentence_follows_the_paired_intervals():
-    from trustclip.compare.aggregate import GroupResult
-    from trustclip.compare.report import rank_sentence
+    from trustclip.compare.results import Group
+    from trustclip.compare.text import rank_sentence
 
-    def group(name: str, values: list[float]) -> GroupResult:
-        return GroupResult(name, name, name, {}, None, None, [], outcomes={"mean@K": dict(enumerate(values))})
+    def group(name: str, values: list[float]) -> Group:
+        return Group(name, name, name, {}, None, None, [], values={"mean@K": dict(enumerate(values))})
 
     base = [0.30, 0.42, 0.35, 0.25, 0.38]  # the seeds' shared starts vary a lot ...
     a = group("a", [v + 0.05 + e for v, e in zip(base, [0.004, -0.006, 0.001, 0.007, -0.003], strict=True)])
     b = group("b", base)
-    noisy = group("c", [v + 0.01 + e for v, e in zip(a.outcomes["mean@K"].values(), [0.02, -0.02, 0.01, -0.01, 0.0],
+    noisy = group("c", [v + 0.01 + e for v, e in zip(a.values["mean@K"].values(), [0.02, -0.02, 0.01, -0.01, 0.0],
                                                      strict=True)])
     text = rank_sentence("acc", [b, a])  # ... but the paired differences a - b are all about +5 points
     assert "**a** has the highest mean" in text and "against every other group lies above 0" in text
@@ -399,7 +399,7 @@ def fake_env(tmp_path, monkeypatch):
 
 def finish_in_process(settings: CompareSettings, monkeypatch) -> list:
     """Every planned run finished by the worker's own code in this process (no worker processes: fast)."""
-    import trustclip.compare.worker as worker
+    import trustclip.compare.runner as worker
     from trustclip.compare.runner import prepare_run_dir
 
     monkeypatch.setattr(worker, "_set_threads", lambda threads: None)  # leave this process's torch threads alone
@@ -691,7 +691,7 @@ def test_issue27_item13_a_run_another_compare_is_making_is_waited_for(fake_env, 
     instead of failing it at once."""
     import threading
 
-    import trustclip.compare.worker as worker
+    import trustclip.compare.runner as worker
     from trustclip.compare.runner import prepare_run_dir
     from trustclip.files import try_lock
 
@@ -868,3 +868,69 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
     for key, path in markers.items():
         assert path.is_file()
         assert (path.stat().st_mtime_ns == mtimes[key]) == (key != "kl3/seed1")
+
+
+def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatch):
+    """Every number of a run is one row (run, group, seed, outcome, value); a group's numbers are its pivot, `gain` is
+    final - RL start once (the outcome, the per-split rows and the Findings' gain sentence agree), and results.csv
+    holds the same rows."""
+    from trustclip.compare.results import group_runs, load_run, tidy
+    from trustclip.compare.text import findings
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
+    runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
+    records = [load_run(spec) for spec in runs]
+    rows = tidy(records)
+    assert {tuple(row) for row in rows} == {("run", "group", "seed", "outcome", "value")}
+    value = {(row["run"], row["outcome"]): row["value"] for row in rows}
+    for r in records:
+        for split in ("s1", "s2", "average"):
+            for metric in ("mean@2", "pass@2"):
+                assert value[(r.spec.run_id, f"final/{split}/{metric}")] == r.final[split][metric]
+                assert value[(r.spec.run_id, f"gain/{split}/{metric}")] == pytest.approx(0.15)  # the stand-in's start
+        assert value[(r.spec.run_id, "gain")] == value[(r.spec.run_id, "gain/average/mean@2")]
+        assert value[(r.spec.run_id, "collapse")] == 0.0
+        assert value[(r.spec.run_id, "mean@K")] == r.final["average"]["mean@2"]
+    groups = group_runs(records)
+    assert [g.group for g in groups] == ["clip", "atr"]
+    clip = groups[0]
+    assert clip.values["final/s1/mean@2"] == {s: average_split("clip", s, 0) for s in (0, 1)}
+    assert clip.stat("final/s1/mean@2").values == tuple(clip.values["final/s1/mean@2"].values())
+    assert clip.table("gain")["average"]["mean@2"].n == 2
+    text = findings(groups, ["s1", "s2", "average"], ["mean@2", "pass@2"], 4, 4, 5, "clip", [])
+    assert "clip - RL start, held-out Average Mean@2: +15.0 points [95% CI +15.0, +15.0], n = 2 paired seeds: " \
+           "higher than RL start." in text
+    settings.report_only = True
+    assert run_compare(settings, say=lambda s: None) == 0
+    with (fake_env / "results.csv").open() as fh:
+        csv_rows = [row for row in csv.DictReader(fh) if row["run"]]
+    assert len(csv_rows) == len(rows)
+    assert {(row["run"], row["section"], row["split"], row["metric"]) for row in csv_rows} >= {
+        ("clip/seed0", "final", "s1", "mean@2"), ("atr/seed1", "gain", "average", "pass@2"),
+        ("clip/seed1", "outcome", "", "gain"), ("atr/seed0", "dynamics", "", "entropy (last 10%)")}
+
+
+def average_split(objective: str, seed: int, split: int) -> float:
+    return FAKE["value"](objective, seed, split)
+
+
+def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatch):
+    """A partial run whose resume fails is reported failed (no silent restart from scratch); the message names the
+    two ways on, and --restart-partial (resume_partial=False) then starts it afresh."""
+    monkeypatch.setenv("FAKE_FAIL", "clip")
+    settings = fake_settings(fake_env, objectives=("clip",), seeds=(0,))
+    assert run_compare(settings, say=lambda s: None) == 1  # the fake pipeline leaves state.json behind
+    n = len(events(fake_env))
+    said: list[str] = []
+    assert run_compare(settings, say=said.append) == 1
+    rerun = events(fake_env, n)
+    assert [(r["event"], r.get("resumed")) for r in rerun if r["event"] in ("start", "fail")] == [
+        ("start", True), ("fail", None)]
+    assert any("rerun to resume it, or --restart-partial to start it afresh" in line for line in said)
+    monkeypatch.delenv("FAKE_FAIL")
+    settings.resume_partial = False
+    n = len(events(fake_env))
+    assert run_compare(settings, say=lambda s: None) == 0
+    assert [r["resumed"] for r in events(fake_env, n) if r["event"] == "start"] == [False]
+    calls = (fake_env / "runs" / "clip" / "seed0" / "calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith("resume=False")  # the failed attempts' files were removed

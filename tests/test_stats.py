@@ -12,13 +12,13 @@ from scipy import stats as sps
 
 from trustclip.compare.stats import (
     bootstrap_t_interval,
-    difference_sentence,
     iqm,
     paired_difference,
     probability_of_improvement,
     seeds_needed,
     sweep_trend,
 )
+from trustclip.compare.text import difference_sentence
 
 EXPERIMENTS, SEEDS, EFFECT = 200, 5, 0.04  # 200 synthetic comparisons of 5 paired seeds, true effect +4 points
 NOISE = {  # per-seed noise of the difference (sd 0.02), centred so that the true mean difference is EFFECT

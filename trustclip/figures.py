@@ -13,7 +13,6 @@ should use the small shared style helpers (`figure_context`, `new_figure`, `styl
 from __future__ import annotations
 
 import math
-import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,54 +34,20 @@ from trustclip.objectives.bounds import (
     trgppo_bounds,
 )
 
-__all__ = [
-    "STYLE",
-    "COLORS",
-    "DIVERGENCES",
-    "pyplot",
-    "figure_context",
-    "new_figure",
-    "style_axes",
-    "color_for",
-    "save_figure",
-    "divergence_regions",
-    "draw_divergence_curve",
-    "draw_intervals",
-    "draw_q_bounds",
-    "plot_divergence_regions",
-    "plot_theory_check",
-]
-
 # --------------------------------------------------------------------------------------------------
 # Shared style
 # --------------------------------------------------------------------------------------------------
 STYLE: dict[str, Any] = {
-    "figure.dpi": 100,
-    "savefig.dpi": 150,
-    "font.size": 9,
-    "axes.titlesize": 10,
-    "axes.labelsize": 9,
-    "axes.grid": True,
-    "grid.alpha": 0.3,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "legend.fontsize": 8,
+    "figure.dpi": 100, "savefig.dpi": 150, "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9,
+    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
     "legend.frameon": False,
 }
 
 # Stable colours per method / quantity (colour-blind-safe Dark2 / tab10 picks); unknown names get a
 # deterministic colour from tab10 so later plots (e.g. training curves per objective) stay consistent.
 COLORS: dict[str, str] = {
-    "clip": "#666666",
-    "kl1": "#1b9e77",
-    "kl2": "#d95f02",
-    "kl3": "#7570b3",
-    "atr": "#7570b3",
-    "is_kl3": "#e7298a",
-    "dcpo": "#66a61e",
-    "trgppo": "#e6ab02",
-    "X-": "#d62728",
-    "X+": "#1f77b4",
+    "clip": "#666666", "kl1": "#1b9e77", "kl2": "#d95f02", "kl3": "#7570b3", "atr": "#7570b3", "is_kl3": "#e7298a",
+    "dcpo": "#66a61e", "trgppo": "#e6ab02", "X-": "#d62728", "X+": "#1f77b4",
 }
 _FALLBACK = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -373,113 +338,3 @@ def plot_theory_check(
         fig.suptitle("ATR vs ratio clipping: one exact PG step on a tabular softmax policy "
                      "(arXiv 2602.05494, Thm 5.2)")
         return save_figure(fig, path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Comparisons of objectives over seeds (trustclip.compare; paper Figures 2-4)
-# --------------------------------------------------------------------------------------------------
-def distinct_colors(names: Sequence[str]) -> dict[str, str]:
-    """One colour per name: the shared `COLORS` entry where there is one, otherwise the next tab10/tab20
-    colour not yet used in this figure (so up to 20 names never share a colour)."""
-    plt = pyplot()
-    palette = [plt.get_cmap("tab10")(i) for i in range(10)]
-    if len(names) > 10:
-        palette = [plt.get_cmap("tab20")(i) for i in range(20)]
-    from matplotlib.colors import to_hex
-
-    palette = [to_hex(c) for c in palette]
-    out = {n: COLORS[n] for n in names if n in COLORS}
-    free = [c for c in palette if c not in out.values()]
-    for i, name in enumerate(n for n in names if n not in out):
-        out[name] = free[i % len(free)] if free else color_for(name)
-    return out
-
-
-def draw_seed_bands(ax, lines: dict[str, dict[str, Sequence[float]]], colors: dict[str, str], *,
-                    title: str = "", xlabel: str = "", ylabel: str = "", logx: bool = False) -> None:
-    """One line per group, `lines[group] = {"x", "mean"[, "low", "high"]}`, with the band low..high shaded
-    (e.g. mean -/+ std over seeds). Artist gids: "<group>-line" and "<group>-band"."""
-    for group, d in lines.items():
-        x, mean = np.asarray(d["x"], float), np.asarray(d["mean"], float)
-        if x.size == 0:
-            continue
-        color = colors.get(group, color_for(group))
-        marker = "o" if x.size <= 12 else None
-        ax.plot(x, mean, color=color, lw=1.6, marker=marker, ms=3.5, label=group, gid=f"{group}-line")
-        if "low" in d and "high" in d:
-            low, high = np.asarray(d["low"], float), np.asarray(d["high"], float)
-            if np.any(np.isfinite(low) & (high > low)):
-                ax.fill_between(x, low, high, color=color, alpha=0.18, lw=0, gid=f"{group}-band")
-    if logx:
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(pyplot().FuncFormatter(lambda v, _: f"{v:g}"))
-    style_axes(ax, title=title, xlabel=xlabel, ylabel=ylabel)
-
-
-def plot_seed_bands(path: str | Path, panels: Sequence[dict[str, Any]], *, title: str | None = None,
-                    ncols: int = 2, width: float = 5.0, height: float = 3.4) -> Path:
-    """A grid of `draw_seed_bands` panels sharing one colour per group; each panel is a dict with
-    `lines` and optional `title`, `xlabel`, `ylabel`, `logx`. Empty panels are left out."""
-    panels = [p for p in panels if any(len(d["x"]) for d in p["lines"].values())]
-    if not panels:
-        raise ValueError("nothing to plot: every panel is empty")
-    groups = list(dict.fromkeys(g for p in panels for g in p["lines"]))
-    ncols = max(1, min(ncols, len(panels)))
-    nrows = math.ceil(len(panels) / ncols)
-    with figure_context():
-        colors = distinct_colors(groups)
-        fig, axes = new_figure(nrows, ncols, width=width, height=height)
-        for ax, panel in zip(axes.flat, panels, strict=False):
-            draw_seed_bands(ax, panel["lines"], colors, title=panel.get("title", ""),
-                            xlabel=panel.get("xlabel", ""), ylabel=panel.get("ylabel", ""),
-                            logx=panel.get("logx", False))
-            if ax.get_legend() is not None:
-                ax.get_legend().remove()  # one legend beside the grid: inside a panel it covers the curves
-        for ax in list(axes.flat)[len(panels):]:
-            ax.set_visible(False)
-        if groups:
-            handles = {}
-            for ax in axes.flat:
-                for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-                    handles.setdefault(label, handle)
-            fig.legend(list(handles.values()), list(handles), loc="outside right center")
-        if title:  # wrapped to the grid's width: one narrow panel cannot hold a long title on one line
-            fig.suptitle(textwrap.fill(title, max(30, int(8 * width * ncols))))
-        return save_figure(fig, path)
-
-
-def plot_sweep(path: str | Path, key: str, panels: Sequence[dict[str, Any]], *, title: str | None = None) -> Path:
-    """Metric against a swept hyper-parameter (paper Figure 3). Each panel: `ylabel`, optional `title`,
-    `series = {group: {"x", "mean", "std"}}` drawn with error bars (gid "<group>-sweep"), and
-    `references = {group: {"mean", "std"}}` for groups without the parameter, drawn as horizontal lines
-    with a -/+ std band (gid "<group>-reference")."""
-    if not panels or not any(p.get("series") for p in panels):
-        raise ValueError("nothing to plot: no swept series")
-    names = list(dict.fromkeys(g for p in panels for g in [*p.get("series", {}), *p.get("references", {})]))
-    with figure_context():
-        colors = distinct_colors(names)
-        fig, axes = new_figure(1, len(panels), width=4.8, height=3.6)
-        for ax, panel in zip(axes.flat, panels, strict=True):
-            xs = [x for s in panel["series"].values() for x in s["x"]]
-            for group, s in panel["series"].items():
-                std = np.nan_to_num(np.asarray(s["std"], float))
-                ax.errorbar(s["x"], s["mean"], yerr=std, color=colors[group], marker="o", ms=4, capsize=3,
-                            lw=1.6, label=group, gid=f"{group}-sweep")
-            for group, r in panel.get("references", {}).items():
-                color = colors[group]
-                ax.axhline(r["mean"], color=color, ls="--", lw=1.2, label=f"{group} (no {key})",
-                           gid=f"{group}-reference")
-                if np.isfinite(r["std"]) and r["std"] > 0:
-                    ax.axhspan(r["mean"] - r["std"], r["mean"] + r["std"], color=color, alpha=0.1, lw=0)
-            positive = [x for x in xs if isinstance(x, int | float) and x > 0]
-            if positive and len(positive) == len(xs) and max(positive) / min(positive) >= 4:
-                ax.set_xscale("log")
-                ax.set_xticks(sorted(set(positive)), [f"{v:g}" for v in sorted(set(positive))])
-                ax.minorticks_off()
-            style_axes(ax, title=panel.get("title", ""), xlabel=key, ylabel=panel.get("ylabel", ""))
-        if title:
-            fig.suptitle(title)
-        return save_figure(fig, path)
-
-
-__all__ += ["distinct_colors", "draw_seed_bands", "plot_seed_bands", "plot_sweep"]

@@ -1,14 +1,14 @@
 """`trustclip compare`: multi-seed comparison of objectives with everything else held fixed.
 
-    plan_runs  -> every (objective or variant, sweep value, seed) with its full training config (plan.py)
-    execute    -> resumable, parallel worker processes, one per run (runner.py, worker.py)
-    load_run / aggregate -> numbers of finished runs, mean / std over seeds, per-run outcomes (aggregate.py)
-    write_report -> report.md (paired intervals against the reference group, see stats.py), results.json /
-                    .csv, curves.csv, figures (report.py)
+    plan.py     an experiment as data: groups x seeds, each run a validated training config
+    runner.py   the runs, resumable, in a small pool of worker processes
+    results.py  finished runs -> one tidy table (run, group, seed, outcome, value) and its pivots per group
+    stats.py    paired differences and their intervals; text.py: the report's English
+    report.py, figures.py   report.md, results.json / .csv, curves.csv and the figures
 
-`run_compare(CompareSettings)` does all four; the settings are saved as `compare.json` in the output
-directory so that `--report-only` (or a rerun without `--objectives`) reuses them. The reference group
-(`--reference`) is a report setting: it changes no run, and `--report-only --reference X` rebuilds the report.
+`run_compare(CompareSettings)` does all of it; the settings are saved as `compare.json` in the output directory so
+that `--report-only` (or a rerun without `--objectives`) reuses them. The reference group (`--reference`) is a report
+setting: it changes no run, and `--report-only --reference X` rebuilds the report.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trustclip.compare.aggregate import GroupResult, RunDataError, RunRecord, aggregate, load_run
 from trustclip.compare.plan import (
     RunSpec,
     Sweep,
@@ -33,6 +32,7 @@ from trustclip.compare.plan import (
     resolve_reference,
 )
 from trustclip.compare.report import write_report
+from trustclip.compare.results import Group, RunDataError, RunRecord, group_runs, load_run
 from trustclip.compare.runner import ExecutionResult, check_changed, check_runs, execute, is_finished
 from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
@@ -43,8 +43,8 @@ EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hpara
 DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
-__all__ = ["CompareSettings", "ExecutionResult", "GroupResult", "RunDataError", "RunRecord", "RunSpec", "Sweep",
-           "aggregate", "build_report", "execute", "is_finished", "load_run", "plan_runs", "run_compare"]
+__all__ = ["CompareSettings", "ExecutionResult", "Group", "RunDataError", "RunRecord", "RunSpec", "Sweep",
+           "group_runs", "build_report", "execute", "is_finished", "load_run", "plan_runs", "run_compare"]
 
 
 @dataclass
@@ -173,7 +173,7 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
     if not records:
         say("no finished runs yet: no report written")
         return None
-    groups = aggregate(records)
+    groups = group_runs(records)
     paths = write_report(records, groups, settings.output_dir, settings=settings.experiment(), planned=runs,
                          failed=failed, window=settings.smooth, sft_runs=sft_runs,
                          reference=settings.reference_group(runs))

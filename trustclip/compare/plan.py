@@ -1,41 +1,26 @@
-"""Planning a comparison: which (objective, sweep value, seed) runs, each with its full training config.
+"""An experiment as data: groups (an objective as written in `--objectives`, at each swept value) x seeds, each run
+a full training config that `trustclip.train.config` validates, as `trustclip train` does.
 
-Everything except the objective, its hyper-parameters, the swept value and the training seed is held
-fixed: every run starts from the same recipe (`--config`) plus the same `--set` overrides.
+Everything but the objective, its hyper-parameters, the swept value and the seed is held fixed (the recipe plus the
+`--set` overrides). A run's objective hyper-parameters are the recipe's `rl.objective_kwargs` when the recipe trains
+that same objective, then the one place that sets a key: a variant's brackets (`clip[epsilon=0.329]`, a group of its
+own, named as written), `--hparam OBJECTIVE.KEY=V` or `--sweep KEY=V1,V2` (two of them setting one key is an error).
+A sweep key without a dot is an objective hyper-parameter, applied to the objectives that have it (the others run
+once, as the sweep's references); a dotted key is a training option applied to every run.
 
-Objective hyper-parameters of a run are, in order of precedence:
-1. the swept value (`--sweep delta=0.03,0.05`),
-2. `--hparam OBJECTIVE.key=value` given for that objective,
-3. the recipe's `rl.objective_kwargs`, but only when the recipe's `rl.objective` is that same objective
-   (a recipe written for kl3 carries `delta`, which `clip` does not have),
-4. the objective's registered defaults.
-Every combination is validated with `get_objective` before any run starts.
+A run's directory follows from its settings: `runs/<objective>[_<key>=<value>...]/seed<k>` with the registered
+objective name (`atr` -> `kl3`) and the hyper-parameters that differ from its defaults (numbers normalised: 0.1 =
+1e-1, 3 = 3.0), plus a swept training option that differs from the recipe's. So equal settings written differently
+share one run in a pool; a run made under the older naming (the group's name as written) is found by its fingerprint.
 
-An objective may be listed more than once as *variants* with their own hyper-parameters in brackets,
-`clip,clip[epsilon=0.329],clip_higher[epsilon_low=0.329,epsilon_high=0.422]`; each is its own group (named as
-written). A variant and `--hparam` (or `--sweep`) that set the same hyper-parameter are an error; runs whose
-settings come out identical are an error.
-
-A run's directory follows from its settings, not from how they were written: `runs/<objective>[_<key>=<value>
-...]/seed<k>`, with the registered objective name (`atr` -> `kl3`), only the hyper-parameters that differ from
-the objective's defaults (in the objective's own order, numbers normalised: `0.1` = `1e-1`, `3` = `3.0`), and a
-swept training option where its value differs from the recipe's. So `atr[delta=0.1]`, `kl3[delta=0.1]`, `--hparam
-atr.delta=0.1` and `--sweep delta=...,0.1` share one run in a pool, and a changed group never lands in the plain
-group's directory. A run made under the older naming (the group's name as written) is found there and reused.
-
-A sweep key without a dot names an objective hyper-parameter; it is applied to the objectives that have
-it and the others run once, at their own setting, as the sweep's reference lines. It is an error when no
-listed objective has it. A dotted key (`rl.learning_rate`) is a training option and applies to every run.
-
-Shared SFT (default, when the recipe has an `sft` stage): SFT does not depend on the objective, so it runs
-once per seed (`runs/_sft/seed<k>`) and every objective's RL of that seed starts from that same model. This
-is the paper's protocol (one SFT model, only the clipping varies), makes the "RL start" row exact, and saves
-(objectives - 1) SFT runs per seed. RL runs then use the stages `rl, eval` and depend on their SFT run.
+Shared SFT (default, when the recipe has an `sft` stage): SFT does not depend on the objective, so it runs once per
+seed (`runs/_sft/seed<k>`) and every RL run of that seed (stages `rl, eval`) starts from that model, as in the paper.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -44,8 +29,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# Training options that do not change the numbers of a run (left out of its fingerprint).
-NON_SCIENTIFIC = ("output_dir", "resume", "quiet", "plots", "report_to")
+import yaml
+
+from trustclip.train.config import RUN_CONTROL, yaml_load
+
+# Settings left out of a run's fingerprint: train's run control (how a run is driven, not what it computes), but not
+# `stages`, which decide what a run computes (a shared SFT run is the stage sft alone).
+NON_SCIENTIFIC = tuple(key for key in RUN_CONTROL if key != "stages")
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
 
@@ -83,9 +73,7 @@ class RunSpec:
     @property
     def group(self) -> str:
         """Name of the (objective, sweep value) group that seeds are aggregated over."""
-        if self.kind == "sft":
-            return self.label
-        if self.sweep_key is None:
+        if self.kind == "sft" or self.sweep_key is None:
             return self.label
         return f"{self.label}_{self.sweep_key}={format_value(self.sweep_value)}"
 
@@ -109,36 +97,21 @@ class RunSpec:
             science["depends_on"] = self.depends_on.fingerprint()
         return hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def start_model(self) -> Path | None:
-        """The SFT model this run starts RL from (None: the run does its own SFT)."""
-        if self.depends_on is None:
-            return None
-        return self.depends_on.run_dir / "sft" / "final"
-
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "group": self.group,
-            "label": self.label,
-            "objective": self.objective,
-            "seed": self.seed,
-            "hparams": self.hparams,
-            "sweep_key": self.sweep_key,
-            "sweep_value": self.sweep_value,
-            "fingerprint": self.fingerprint(),
-            "kind": self.kind,
-            "depends_on": self.depends_on.run_id if self.depends_on else None,
-            # relative to this run's directory, so that the compare directory can be moved
-            "start_model": os.path.relpath(self.start_model(), self.run_dir) if self.depends_on else None,
-            "config": self.config,
-        }
+        """The run_spec.json the worker runs; the SFT model it starts from (if any) relative to its directory, so
+        that the pool can be moved."""
+        dep = self.depends_on
+        return {"run_id": self.run_id, "group": self.group, "label": self.label, "objective": self.objective,
+                "seed": self.seed, "hparams": self.hparams, "sweep_key": self.sweep_key,
+                "sweep_value": self.sweep_value, "fingerprint": self.fingerprint(), "kind": self.kind,
+                "depends_on": dep.run_id if dep else None,
+                "start_model": os.path.relpath(dep.run_dir / "sft" / "final", self.run_dir) if dep else None,
+                "config": self.config}
 
 
 def format_value(value: Any) -> str:
     """Short, stable text of a swept value: 0.07 -> '0.07', 1e-05 -> '1e-05'."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def canonical_text(value: Any) -> str:
@@ -173,19 +146,10 @@ ENTRY = re.compile(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?")
 
 def split_items(text: str) -> list[str]:
     """'clip,clip_higher[epsilon_low=0.3,epsilon_high=0.4]' -> the two items (commas inside brackets stay)."""
-    items, depth, current = [], 0, ""
-    for ch in text:
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if depth not in (0, 1):
-            raise ValueError(f"--objectives {text!r}: unbalanced or nested brackets")
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    if depth:
+    depth = list(itertools.accumulate({"[": 1, "]": -1}.get(ch, 0) for ch in text))
+    if any(d not in (0, 1) for d in depth) or depth[-1:] == [1]:
         raise ValueError(f"--objectives {text!r}: unbalanced or nested brackets")
-    return [item.strip() for item in [*items, current] if item.strip()]
+    return [item.strip() for item in re.split(r",(?![^\[]*\])", text) if item.strip()]
 
 
 def parse_entry(item: str) -> Entry:
@@ -283,18 +247,11 @@ def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[
 
 
 def _yaml_value(raw: str) -> Any:
-    """A number when it reads as one (YAML alone takes '1e-4' for a string), else the YAML value."""
-    import yaml
-
-    for convert in (int, float):
-        try:
-            return convert(raw)
-        except ValueError:
-            pass
+    """A value as `--set` reads it (YAML, with 1e-4 a float)."""
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise ValueError(f"value {raw!r} is not valid YAML ({err})") from None
+        return yaml_load(raw)
+    except (yaml.YAMLError, ValueError) as err:
+        raise ValueError(f"value {raw!r} is not valid YAML ({' '.join(str(err).split())})") from None
 
 
 def parse_sweep(text: str | None) -> Sweep | None:
@@ -366,10 +323,9 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
 
 def _recipe_kwargs(entry: Entry, base: dict[str, Any]) -> dict[str, Any]:
     """The recipe's objective_kwargs when the recipe trains this objective, else none."""
-    recipe_objective = base["rl"].get("objective")
-    if recipe_objective and resolve_objective_name(recipe_objective) == resolve_objective_name(entry.name):
-        return dict(base["rl"].get("objective_kwargs") or {})
-    return {}
+    recipe = base["rl"].get("objective")
+    same = recipe and resolve_objective_name(recipe) == resolve_objective_name(entry.name)
+    return dict(base["rl"].get("objective_kwargs") or {}) if same else {}
 
 
 def _objective_kwargs(entry: Entry, base: dict[str, Any], extra: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -395,9 +351,7 @@ def _check_hparams(entries: Sequence[Entry], hparams: dict[str, dict[str, Any]],
 def _sweep_applies(sweep: Sweep | None, entry: Entry) -> bool:
     from trustclip.objectives.registry import resolve_name
 
-    if sweep is None:
-        return False
-    return sweep.is_training_option or sweep.key in resolve_name(entry.name).params
+    return sweep is not None and (sweep.is_training_option or sweep.key in resolve_name(entry.name).params)
 
 
 def _check_sweep(sweep: Sweep | None, entries: Sequence[Entry]) -> None:
@@ -438,8 +392,7 @@ def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, 
     from trustclip.objectives import get_objective
     from trustclip.train.config import TrainConfig, from_dict, set_dotted
 
-    data = copy.deepcopy(base)
-    kwargs = dict(kwargs)
+    data, kwargs = copy.deepcopy(base), dict(kwargs)
     if sweep is not None and sweep.is_training_option:
         set_dotted(data, sweep.key, value)
     elif sweep is not None:
@@ -448,10 +401,9 @@ def _build_run(entry: Entry, seed: int, base: dict[str, Any], kwargs: dict[str, 
         objective = get_objective(entry.name, **kwargs)
     except ValueError as err:
         raise ValueError(f"objective {entry.label!r}: {err}") from None
-    kwargs = _canonical_kwargs(objective, kwargs, _recipe_kwargs(entry, base))
     data["seed"] = seed
-    data["rl"]["objective"] = objective.name
-    data["rl"]["objective_kwargs"] = kwargs
+    data["rl"] |= {"objective": objective.name,
+                   "objective_kwargs": _canonical_kwargs(objective, kwargs, _recipe_kwargs(entry, base))}
     try:
         config = from_dict(TrainConfig, data).to_dict()
     except ValueError as err:
@@ -562,10 +514,7 @@ def _sft_config(config: dict[str, Any]) -> dict[str, Any]:
     keeps the SFT runs of an existing comparison (an empty section means the defaults)."""
     import copy
 
-    data = copy.deepcopy(config)
-    data["stages"] = ["sft"]
-    data["rl"], data["eval"] = {}, {}
-    return data
+    return copy.deepcopy(config) | {"stages": ["sft"], "rl": {}, "eval": {}}
 
 
 def _share_sft(runs: list[RunSpec], root: Path) -> list[RunSpec]:
@@ -585,10 +534,6 @@ def _share_sft(runs: list[RunSpec], root: Path) -> list[RunSpec]:
             for fp in fingerprints:
                 sft[fp].label = f"_sft_{fp[:8]}"
     out: list[RunSpec] = []
-    placed: set[int] = set()
-    for spec in runs:
-        if id(spec.depends_on) not in placed:
-            placed.add(id(spec.depends_on))
-            out.append(spec.depends_on)
-        out.append(spec)
+    for spec in runs:  # each SFT run before the first RL run that starts from it
+        out += [spec] if any(s is spec.depends_on for s in out) else [spec.depends_on, spec]
     return out

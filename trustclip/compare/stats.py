@@ -1,18 +1,14 @@
 """Statistics of a comparison over seeds: paired differences with small-sample bootstrap intervals, the seeds a
-difference would need, and rliable's aggregate metrics. scipy does the statistics; this module states the design.
+difference would need, and rliable's aggregates. scipy does the statistics; this module states the design.
 
-Design:
-- **Paired by seed.** The runs of one seed share their SFT start (compare's default), so a group is compared with
-  the reference on the seeds both have, through the per-seed differences (group - reference): the
-  seed-to-seed variation of the start cancels. Resampling the per-seed differences resamples seeds in pairs.
-- **Interval: studentised bootstrap (bootstrap-t)** of the mean difference (Efron & Tibshirani 1993, *An
-  Introduction to the Bootstrap*, ch. 12; set against the percentile and expanded percentile intervals by
-  Hesterberg 2015, "What teachers should know about the bootstrap", Am. Stat. 69(4)). Each resample gives
-  t* = (mean* - mean) / se*; the interval is [mean - q(1 - a/2) se, mean - q(a/2) se]. Percentile-type
-  intervals (percentile, BCa, Hesterberg's expanded percentile) are not used: the bootstrap means lie within
-  the sample range, which holds a symmetric distribution's mean with probability 1 - 2^(1-n) only (75 % at
-  n = 3, 93.75 % at n = 5), so they cannot reach 95 % with a handful of seeds. Coverage of a nominal 95 % at n = 5
-  (benchmarks/interval_coverage.py, 1,000 experiments per row; tests/test_stats.py checks it on 200):
+- **Paired by seed.** The runs of one seed share their SFT start, so a group is compared with the reference through
+  the per-seed differences (group - reference) on the seeds both have: the seed-to-seed variation of the start
+  cancels, and resampling the differences resamples seeds in pairs.
+- **Interval: studentised bootstrap (bootstrap-t)** of the mean difference (Efron & Tibshirani 1993, ch. 12;
+  Hesterberg 2015, Am. Stat. 69(4)): t* = (mean* - mean) / se* per resample, interval [mean - q(1 - a/2) se,
+  mean - q(a/2) se]. Percentile-type intervals (percentile, BCa, expanded percentile) stay inside the sample range,
+  which holds a symmetric distribution's mean with probability 1 - 2^(1-n) only (93.75 % at n = 5). Coverage of a
+  nominal 95 % at n = 5 (benchmarks/interval_coverage.py, 1,000 experiments per row; tests/test_stats.py, 200):
 
       differences      percentile  BCa   expanded  bootstrap-t  paired t
       normal              83 %     82 %    91 %       94 %        95 %
@@ -20,25 +16,16 @@ Design:
       lognormal           74 %     75 %    83 %       91 %        84 %
       t(3)                83 %     80 %    92 %       94 %        96 %
 
-  The paired t-interval assumes normal differences and under-covers skewed ones. The price of the bootstrap-t:
-  it is wider (median 3.0 sd of the differences at n = 5 against 2.3 for the t-interval) and resolves a true
-  2-sd difference in 73 % of normal experiments where the t-test does in 91 %. A resample that repeats one seed
-  n times has no spread (t* is infinite), so at n <= 3 the interval is unbounded: at least 4 paired seeds are
-  needed for a finite one; tied differences (several seeds with the same difference) widen it the same way.
-- **Verdicts follow from the interval alone**: "higher" / "lower" than the reference when the 95 % interval
-  excludes 0, otherwise no difference is resolved; one paired seed gives no interval. Intervals are per
-  comparison (not adjusted for multiplicity); the report says how many comparisons it makes.
-- **Seeds needed**: the n at which a two-sided paired t-test at alpha 0.05 has power 0.8 for the observed mean
-  difference and standard deviation of differences (noncentral t). A planning figure that takes the observed
-  effect as the true one; with a handful of seeds that effect is itself noisy, so read it as an order of size.
-- **Aggregates** (rliable; Agarwal et al. 2021, "Deep RL at the edge of the statistical precipice",
-  arXiv 2108.13264): the interquartile mean (IQM, mean of the middle 50 %) of all (seed x split) scores with a
-  percentile interval from a stratified bootstrap (seeds resampled within each split), and the probability of
-  improvement P(X > Y) = average over splits of U / (n m) of the Mann-Whitney U statistic
-  (= P(X > Y) + 0.5 P(X = Y) for a run X of the group and a run Y of the reference), with the same bootstrap.
-  rliable's percentile intervals under-cover at a few seeds like any percentile interval; they describe, the
-  paired intervals decide. (rliable itself is not a dependency: an sdist that pulls arch, seaborn and absl for
-  two formulas restated here with scipy.)
+  The price: it is wider (median 3.0 sd of the differences at n = 5, against 2.3 for the t-interval). A resample
+  repeating one seed has no spread (t* infinite), so at n <= 3 the interval is unbounded.
+- **Verdicts follow from the interval alone** (`Difference.verdict`): higher / lower when it excludes 0; not
+  adjusted for multiplicity (the report says how many intervals it gives).
+- **Seeds needed**: the n at which a two-sided paired t-test at alpha 0.05 has power 0.8 for the observed mean and
+  sd of the differences (noncentral t); a planning figure, an order of size.
+- **Aggregates** (rliable; Agarwal et al. 2021, arXiv 2108.13264): the interquartile mean of all (seed x split)
+  scores and the probability of improvement P(X > Y) (Mann-Whitney U / (n m), averaged over splits), with
+  percentile intervals of a stratified bootstrap: they describe, the paired intervals decide. (rliable itself is not
+  a dependency: it pulls arch, seaborn and absl for two formulas restated here with scipy.)
 """
 
 from __future__ import annotations
@@ -79,17 +66,9 @@ class Stat:
     def std(self) -> float:
         return float(np.std(self.values, ddof=1)) if self.n >= 2 else math.nan
 
-    @property
-    def min(self) -> float:
-        return min(self.values) if self.values else math.nan
-
-    @property
-    def max(self) -> float:
-        return max(self.values) if self.values else math.nan
-
     def to_dict(self) -> dict[str, float | int | list[float]]:
-        return {"mean": self.mean, "std": self.std, "n": self.n, "min": self.min, "max": self.max,
-                "values": list(self.values)}
+        return {"mean": self.mean, "std": self.std, "n": self.n, "min": min(self.values, default=math.nan),
+                "max": max(self.values, default=math.nan), "values": list(self.values)}
 
 
 def stat(values: Sequence[float]) -> Stat:
@@ -224,62 +203,6 @@ def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group:
                    for s in seeds)
     low, high = bootstrap_t_interval(slopes) if len(seeds) >= 2 else (math.nan, math.nan)
     return Difference(group, "no trend", outcome, seeds, slopes, low, high), log
-
-
-# -------------------------------------------------------------------------------------------- formatting
-def fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
-
-
-def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
-    """'41.2 ± 1.3' (or '41.2' for one seed, 'n/a' for none)."""
-    if s.n == 0:
-        return "n/a"
-    if s.n == 1:
-        return f"{scale * s.mean:.{digits}f}"
-    return f"{scale * s.mean:.{digits}f} ± {scale * s.std:.{digits}f}"
-
-
-def fmt_signed(x: float, scale: float = 100.0, digits: int = 1) -> str:
-    if math.isnan(x):
-        return "n/a"
-    if math.isinf(x):
-        return "+inf" if x > 0 else "-inf"
-    return f"{scale * x:+.{digits}f}"
-
-
-def fmt_interval(d: Difference, scale: float = 100.0, digits: int = 1) -> str:
-    """'[+1.1, +5.0]' ('n/a' below 2 seeds)."""
-    if d.n < 2:
-        return "n/a"
-    return f"[{fmt_signed(d.low, scale, digits)}, {fmt_signed(d.high, scale, digits)}]"
-
-
-def needed_text(d: Difference) -> str:
-    """'12', '> 10000' or 'not estimable'."""
-    if d.n < 2 or not d.sd > 0 or d.mean == 0:
-        return "not estimable"
-    return str(d.seeds_needed) if d.seeds_needed is not None else f"> {MAX_SEEDS}"
-
-
-def difference_sentence(d: Difference, what: str, scale: float = 100.0, unit: str = " points",
-                        digits: int = 1) -> str:
-    """The sentence of one paired comparison, from its interval only."""
-    head = f"{d.group} - {d.reference}, {what}: "
-    if d.n == 0:
-        return head + "no seed has both runs finished."
-    if d.verdict == "identical":
-        return head + f"identical on all {d.n} paired seed(s) (every difference is exactly 0)."
-    text = head + f"{fmt_signed(d.mean, scale, digits)}{unit}"
-    if d.n < 2:
-        return text + f" on one paired seed (seed {d.seeds[0]}): no interval with one seed, nothing is claimed."
-    text += f" [{LEVEL:.0%} CI {fmt_interval(d, scale, digits)[1:-1]}], n = {d.n} paired seeds"
-    if d.verdict in ("higher", "lower"):
-        return text + f": {d.verdict} than {d.reference}."
-    needed = needed_text(d)
-    more = (f"about {needed} seeds would be needed to resolve a difference this size" if needed[0].isdigit()
-            else f"the seeds needed to resolve it are {needed}" + (" (more than we try)" if ">" in needed else ""))
-    return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
 
 # ------------------------------------------------------------------------------------------- aggregates

@@ -1,0 +1,293 @@
+"""Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run.
+
+Everything comes from the files the training pipeline wrote in the run's directory: `eval/after.json` and
+`eval/before.json` (Mean@K / Pass@K per held-out split and `average` of the final RL policy and of the RL start, with
+the Mean@k / Pass@k curves), `metrics.jsonl` (the RL metrics; periodic evaluations as `eval/<split>/<metric>`) and
+`summary.json` (seconds, RL steps). "final" is the last RL checkpoint's value; "best" the maximum over the evaluated
+RL checkpoints, per split and metric, as `trustclip.evaluation.final_and_best` (chosen on the held-out problems
+themselves: optimistic, as in the paper; the report says so).
+
+Outcomes: `final/<split>/<metric>`, `best/...`, `before/...`, `gain/...` (final - RL start, computed here only),
+`dynamics/<series> (last 10%)` / `(mean)`, `seconds`, and the per-run scalars of `OUTCOMES` that the report compares
+between groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trustclip import metric_names as names
+from trustclip.compare.plan import RunSpec
+from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
+from trustclip.files import read_json, read_jsonl
+from trustclip.train.plots import series_from_rows
+
+AVERAGE = "average"
+EVAL_PREFIX = "eval/"
+OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
+SERIES = {  # training series of the paper's Figure 2 (names as TRL / trustclip log them), with their labels
+    names.REWARD: "reward (train)",
+    names.ENTROPY: "entropy (nats/token)",
+    names.COMPLETION_LENGTH: "completion length (tokens)",
+    names.CLIP_ANY: "active-constraint fraction",
+    OFFPOLICY: "off-policy fraction (ratio outside [0.8, 1.2])",
+    names.CLIP_LOW: "clip fraction low",
+    names.CLIP_HIGH: "clip fraction high",
+}
+SECTIONS = ("final", "best", "before", "gain")  # per (split, metric) outcomes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A per-run scalar that the report compares between groups (`{k}` in the label is the evaluation K)."""
+
+    key: str
+    label: str
+    scale: float = 100.0  # shown as scale * value ...
+    unit: str = " points"  # ... in this unit
+    digits: int = 1
+
+
+OUTCOMES = (
+    Outcome("mean@K", "held-out Mean@{k}, final"),  # the primary outcome
+    Outcome("pass@K", "held-out Pass@{k}, final"),
+    Outcome("gain", "held-out Mean@{k} gain over the run's RL start"),
+    Outcome("entropy", "entropy, last 10% of RL (nats/token)", 1.0, " nats", 3),
+    Outcome("reward", "train reward, last 10% of RL", 1.0, "", 3),
+    Outcome("length", "completion length, last 10% of RL (tokens)", 1.0, " tokens", 1),
+    Outcome("clip_frac", "active-constraint fraction, mean over RL (% of tokens)", 100.0, " pp", 2),
+    Outcome("offpolicy_frac", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)",
+            100.0, " pp", 2),
+    Outcome("collapse", "collapse: final Mean@{k} below the RL start (% of runs)", 100.0, " pp", 0),
+)
+PRIMARY = OUTCOMES[0]
+OUTCOME = {o.key: o for o in OUTCOMES}
+
+
+class RunDataError(ValueError):
+    """A finished run's files are missing or inconsistent."""
+
+
+@dataclass
+class RunRecord:
+    """The numbers of one finished run."""
+
+    spec: RunSpec
+    k: int
+    final: dict[str, dict[str, float]]  # split -> {"mean@K", "pass@K"}, incl. "average"
+    best: dict[str, dict[str, float]]
+    before: dict[str, dict[str, float]] | None
+    history: dict[int, dict[str, dict[str, float]]]  # RL step -> split -> metric (evaluated checkpoints)
+    curves: dict[str, dict[str, list[float]]]  # split -> {"k", "mean", "pass"} of the final policy
+    series: dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), RL stage
+    seconds: dict[str, float]
+    rl_steps: int | None
+
+    @property
+    def metrics(self) -> tuple[str, str]:
+        return f"mean@{self.k}", f"pass@{self.k}"
+
+
+def _eval_file(path: Path) -> dict[str, Any] | None:
+    data = read_json(path)
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
+        raise RunDataError(f"{path}: no 'metrics' mapping")
+    return data
+
+
+def _history(rows: Sequence[dict[str, Any]], metrics: Sequence[str]) -> dict[int, dict[str, dict[str, float]]]:
+    """Periodic evaluations: `eval/<split>/<metric>` values at their step."""
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            split, _, metric = key[len(EVAL_PREFIX):].rpartition("/")
+            if key.startswith(EVAL_PREFIX) and isinstance(value, int | float) and split and metric in metrics:
+                out.setdefault(int(row["step"]), {}).setdefault(split, {})[metric] = float(value)
+    return out
+
+
+def _with_average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+    """Adds the `average` curve (mean over splits, like the `average` metrics) when every split has the same k."""
+    curves = {s: c for s, c in curves.items() if s != AVERAGE}
+    if not curves or len({tuple(c.get("k", ())) for c in curves.values()}) != 1:
+        return curves
+    ks = next(iter(curves.values()))["k"]
+    average = {"k": list(ks)}
+    for kind in ("mean", "pass"):
+        if all(kind in c for c in curves.values()):
+            average[kind] = [float(np.mean([c[kind][i] for c in curves.values()])) for i in range(len(ks))]
+    return {**curves, AVERAGE: average}
+
+
+def load_run(spec: RunSpec) -> RunRecord:
+    """Numbers of a finished run from its files; raises RunDataError when they are missing."""
+    run_dir = spec.run_dir
+    summary = read_json(run_dir / "summary.json")
+    if not isinstance(summary, dict):
+        raise RunDataError(f"{run_dir / 'summary.json'} is missing or unreadable")
+    name, _, k = str(summary.get("metric", "")).partition("@")
+    if name != "mean" or not k.isdigit():
+        raise RunDataError(f"{run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
+                           f"{str(summary.get('metric', ''))!r}")
+    after, before = _eval_file(run_dir / "eval" / "after.json"), _eval_file(run_dir / "eval" / "before.json")
+    if after is None:
+        raise RunDataError(f"{run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
+                           "(the recipe must include the rl and eval stages)")
+    metrics = (f"mean@{k}", f"pass@{k}")
+    final = {s: {m: float(v[m]) for m in metrics} for s, v in after["metrics"].items()}
+    by_step: dict[int, dict[str, Any]] = {}
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        if row.get("stage") == "rl":  # a step logged twice (resumed run) keeps its last values
+            by_step.setdefault(int(row["step"]), {}).update(row)
+    rows = [by_step[s] for s in sorted(by_step)]
+    history = _history(rows, metrics)
+    rl_steps = summary.get("rl_steps") if isinstance(summary.get("rl_steps"), int) else None
+    history[rl_steps if rl_steps is not None else max([*history, 0])] = final  # the last checkpoint's evaluation
+    best = {s: {m: max(h[s][m] for h in history.values() if s in h and m in h[s]) for m in metrics} for s in final}
+    return RunRecord(
+        spec=spec, k=int(k), final=final, best=best,
+        before=({s: {m: float(v[m]) for m in metrics} for s, v in before["metrics"].items()} if before else None),
+        history=dict(sorted(history.items())), curves=_with_average_curve(after.get("curves") or {}),
+        series=series_from_rows(rows), seconds={str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
+        rl_steps=rl_steps)
+
+
+def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
+    """Mean of the last `fraction` of a series (at least one point): its value at the end of training."""
+    return float(values[-max(1, int(round(fraction * values.size))):].mean()) if values.size else math.nan
+
+
+def run_rows(record: RunRecord) -> dict[str, float]:
+    """Every number of one run, outcome -> value. The `OUTCOMES` are on the held-out average (NaN where the run lacks
+    the data); a run "collapsed" when its final Mean@K is below its own RL start."""
+    out: dict[str, float] = {}
+    for section in ("final", "best", "before"):
+        for split, values in (getattr(record, section) or {}).items():
+            out.update({f"{section}/{split}/{m}": v for m, v in values.items()})
+    for split, values in (record.before or {}).items():
+        if split in record.final:
+            out.update({f"gain/{split}/{m}": record.final[split][m] - values[m] for m in record.metrics})
+    for key in SERIES:
+        if key in record.series:
+            out[f"dynamics/{key} (last 10%)"] = tail_mean(record.series[key][1])
+            out[f"dynamics/{key} (mean)"] = float(record.series[key][1].mean())
+    out["seconds"] = record.seconds.get("total", math.nan)
+    split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
+    mean_k, pass_k = record.metrics
+
+    def series(key: str, reduce: Any) -> float:
+        return reduce(record.series[key][1]) if key in record.series else math.nan
+
+    gain = out.get(f"gain/{split}/{mean_k}", math.nan)
+    return out | {
+        "mean@K": record.final[split][mean_k], "pass@K": record.final[split][pass_k], "gain": gain,
+        "entropy": series(names.ENTROPY, tail_mean), "reward": series(names.REWARD, tail_mean),
+        "length": series(names.COMPLETION_LENGTH, tail_mean),
+        "clip_frac": series(names.CLIP_ANY, np.mean), "offpolicy_frac": series(OFFPOLICY, np.mean),
+        "collapse": float(gain < 0) if math.isfinite(gain) else math.nan,
+    }
+
+
+def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """The table every report table and figure is a pivot of: one row (run, group, seed, outcome, value) per number."""
+    return [{"run": r.spec.run_id, "group": r.spec.group, "seed": r.spec.seed, "outcome": key, "value": float(value)}
+            for r in records for key, value in run_rows(r).items()]
+
+
+@dataclass
+class Group:
+    """One (objective, sweep value): its finished runs and the tidy table pivoted to outcome -> seed -> value."""
+
+    group: str
+    label: str
+    objective: str
+    hparams: dict[str, Any]
+    sweep_key: str | None
+    sweep_value: Any
+    runs: list[RunRecord]
+    values: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    @property
+    def seeds(self) -> list[int]:
+        return [r.spec.seed for r in self.runs]
+
+    @property
+    def n(self) -> int:
+        return len(self.runs)
+
+    def stat(self, outcome: str) -> Stat:
+        return stat(list(self.values.get(outcome, {}).values()))
+
+    def table(self, section: str) -> dict[str, dict[str, Stat]]:
+        """split -> metric -> Stat of one of `SECTIONS`."""
+        out: dict[str, dict[str, Stat]] = {}
+        for key in self.values:
+            if key.startswith(section + "/"):
+                split, metric = key[len(section) + 1:].rsplit("/", 1)
+                out.setdefault(split, {})[metric] = self.stat(key)
+        return out
+
+
+def group_runs(records: Sequence[RunRecord]) -> list[Group]:
+    """The finished runs by (objective, sweep value) group, in plan order, each with its pivot of `tidy`."""
+    if len({r.k for r in records}) > 1:
+        raise RunDataError(f"runs were evaluated with different K ({sorted({r.k for r in records})}); they cannot "
+                           "share a table")
+    groups: dict[str, Group] = {}
+    for r in records:
+        s = r.spec
+        groups.setdefault(s.group, Group(s.group, s.label, s.objective, s.hparams, s.sweep_key, s.sweep_value, []))
+        groups[s.group].runs.append(r)
+    for row in tidy(records):
+        groups[row["group"]].values.setdefault(row["outcome"], {})[row["seed"]] = row["value"]
+    return list(groups.values())
+
+
+def title_of(split: str) -> str:
+    return "Average" if split == AVERAGE else split
+
+
+def metric_title(metric: str) -> str:
+    name, _, k = metric.partition("@")
+    return f"{name.capitalize()}@{k}"
+
+
+def splits_of(records: Sequence[RunRecord]) -> list[str]:
+    """Held-out splits in first-seen order, `average` last."""
+    found = list(dict.fromkeys(s for r in records for s in r.final if s != AVERAGE))
+    return [*found, AVERAGE] if any(AVERAGE in r.final for r in records) else found
+
+
+def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
+    """Every outcome of every other group against the reference group, paired by seed (runs of one seed start RL
+    from the same SFT model), in group then outcome order."""
+    ref = next(g for g in groups if g.group == reference)
+    return [paired_difference(g.values[o.key], ref.values[o.key], group=g.group, ref=ref.group, outcome=o.key)
+            for g in groups if g is not ref for o in OUTCOMES]
+
+
+def score_matrix(group: Group, metric: str, splits: Sequence[str]) -> np.ndarray:
+    """Final `metric` of each run (rows) on each held-out split (columns), runs lacking a split left out."""
+    return np.array([[r.final[s][metric] for s in splits] for r in group.runs if all(s in r.final for s in splits)])
+
+
+def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
+                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
+    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) scores of
+    the held-out splits (not their average: rliable aggregates over tasks)."""
+    tasks = [s for s in splits if s != AVERAGE] or list(splits)
+    ref = next(g for g in groups if g.group == reference)
+    out: dict[str, dict[str, dict[str, Estimate]]] = {}
+    for g in groups:
+        scores = {m: score_matrix(g, m, tasks) for m in metrics}
+        out[g.group] = {"iqm": {m: iqm(x) for m, x in scores.items() if x.size}}
+        if g is not ref:
+            out[g.group]["poi"] = {m: probability_of_improvement(x, score_matrix(ref, m, tasks))
+                                   for m, x in scores.items() if x.size and score_matrix(ref, m, tasks).size}
+    return out
