@@ -125,6 +125,9 @@ ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print
     "item1 TRL's eval loop": (["--set", "rl.trl_kwargs={eval_strategy: steps, eval_steps: 5}"],
                               "rl.trl_kwargs.eval_strategy='steps': trustclip train evaluates the held-out benchmarks "
                               "with rl.eval_every"),
+    "cast_lm_head_to_fp32 (issue 24)": (["--set", "rl.trl_kwargs={cast_lm_head_to_fp32: true}"],
+                                        "rl.trl_kwargs.cast_lm_head_to_fp32=True: the trainer computes the LM head, "
+                                        "log-probs and ratio in float32 already"),
     "item11 corrupt config.yaml": (["--resume", "--output-dir", "{corrupt}"],
                                    "{corrupt}/config.yaml is not a readable run configuration"),
     "item11 config.yaml not a mapping": (["--resume", "--output-dir", "{listed}"],

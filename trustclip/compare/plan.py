@@ -29,13 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
+from trustclip.train.config import RUN_CONTROL, parse_value
 
-from trustclip.train.config import RUN_CONTROL, yaml_load
-
-# Settings left out of a run's fingerprint: train's run control (how a run is driven, not what it computes), but not
-# `stages`, which decide what a run computes (a shared SFT run is the stage sft alone).
-NON_SCIENTIFIC = tuple(key for key in RUN_CONTROL if key != "stages")
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
 
@@ -92,7 +87,7 @@ class RunSpec:
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's numbers (its SFT run's fingerprint included)."""
-        science = {k: v for k, v in self.config.items() if k not in NON_SCIENTIFIC}
+        science = {k: v for k, v in self.config.items() if k not in RUN_CONTROL}
         if self.depends_on is not None:
             science["depends_on"] = self.depends_on.fingerprint()
         return hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -171,7 +166,7 @@ def parse_entry(item: str) -> Entry:
         if key not in spec.params:
             raise ValueError(f"objective {item!r}: {spec.name} has no hyper-parameter {key!r}; "
                              f"valid: {', '.join(spec.params) or 'none'}")
-        kwargs[key] = _yaml_value(raw)
+        kwargs[key] = parse_value(raw)
     return Entry(name, kwargs, match.group(0))
 
 
@@ -246,21 +241,13 @@ def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[
     return list(range(count))
 
 
-def _yaml_value(raw: str) -> Any:
-    """A value as `--set` reads it (YAML, with 1e-4 a float)."""
-    try:
-        return yaml_load(raw)
-    except (yaml.YAMLError, ValueError) as err:
-        raise ValueError(f"value {raw!r} is not valid YAML ({' '.join(str(err).split())})") from None
-
-
 def parse_sweep(text: str | None) -> Sweep | None:
     """'delta=0.03,0.05' -> Sweep('delta', (0.03, 0.05))."""
     if not text:
         return None
     key, sep, raw = text.partition("=")
     key = key.strip()
-    values = tuple(_yaml_value(v.strip()) for v in raw.split(",") if v.strip())
+    values = tuple(parse_value(v.strip()) for v in raw.split(",") if v.strip())
     if not sep or not key or not values:
         raise ValueError(f"--sweep {text!r}: expected KEY=V1,V2,..., e.g. delta=0.03,0.05,0.07")
     _check_sweepable(key, text)
@@ -286,7 +273,7 @@ def _check_sweepable(key: str, text: str) -> None:
     if key.startswith("rl.objective_kwargs."):
         raise ValueError(f"--sweep {text!r}: an objective's hyper-parameter is swept by its name: --sweep "
                          f"{key.rsplit('.', 1)[-1]}=...")
-    if key in NOT_SWEEPABLE or key in NON_SCIENTIFIC:
+    if key in NOT_SWEEPABLE or key in RUN_CONTROL:
         why = NOT_SWEEPABLE.get(key, "it does not change what a run computes")
         raise ValueError(f"--sweep {text!r}: {key} is not a sweepable setting; {why}")
 
@@ -305,7 +292,7 @@ def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict
             raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(compared)}")
         if key in out.get(label, {}):
             raise ValueError(f"--hparam {item!r}: {label}.{key} is given twice; give it once")
-        out.setdefault(label, {})[key] = _yaml_value(raw.strip())
+        out.setdefault(label, {})[key] = parse_value(raw.strip())
     return out
 
 
@@ -460,7 +447,7 @@ def _place(spec: RunSpec, base: dict[str, Any]) -> None:
 def _settings(spec: RunSpec) -> str:
     """What determines a run's numbers, with the objective's defaults filled in (so clip == clip[epsilon=0.2])."""
     science = {**spec.config, "rl": {**spec.config["rl"], "objective_kwargs": spec.hparams}}
-    return json.dumps({k: v for k, v in science.items() if k not in NON_SCIENTIFIC}, sort_keys=True, default=str)
+    return json.dumps({k: v for k, v in science.items() if k not in RUN_CONTROL}, sort_keys=True, default=str)
 
 
 def _check_distinct(runs: Sequence[RunSpec]) -> None:

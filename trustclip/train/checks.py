@@ -234,6 +234,8 @@ NOT_APPLICABLE_HERE = {
                             "loop has no eval dataset here)"),
     "do_eval": (False, "trustclip train evaluates the held-out benchmarks with rl.eval_every"),
     "resume_from_checkpoint": (None, "continue a run with --resume (its own config.yaml and last checkpoint)"),
+    "cast_lm_head_to_fp32": (False, "the trainer computes the LM head, log-probs and ratio in float32 already (bf16 "
+                                    "too); TRL's cast fails for a LoRA policy with tied embeddings such as SmolLM2"),
 }
 
 
