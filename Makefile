@@ -10,7 +10,7 @@ MODELS_STAMP := $(VENV)/.trustclip-models-installed
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test lint clean table2 table3 figure3 beyond experiments smollm2
+.PHONY: run test lint clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -80,3 +80,15 @@ experiments: table2 table3 figure3 beyond
 smollm2: $(STAMP) $(MODELS_STAMP)
 	$(VENV)/bin/trustclip compare --config recipes/smollm2_arith.yaml --objectives kl3 --seeds $(SEEDS) \
 	  --runs-dir runs/smollm2 --output-dir runs/smollm2/arith --jobs 1 --threads-per-job 2
+
+# The paper's comparison on a real LM (docs/results-cpu.md, "A real LM"): recipes/smollm2_offpolicy.yaml with clip,
+# ATR, the unconstrained control and clip_higher on SEEDS seeds, seed-major (a stopped pool has whole seeds), one SFT
+# model per seed, resumable; no periodic evaluation (the held-out splits are evaluated before and after RL).
+# smollm2-figure3: atr at delta 0.02 / 0.07 / 0.2 in the same pool (the 0.07 runs are smollm2-compare's).
+SMOLLM2_COMPARE = $(VENV)/bin/trustclip compare --config recipes/smollm2_offpolicy.yaml --seeds $(SEEDS) \
+	  --reference clip --eval-every 0 --runs-dir runs/smollm2-compare --jobs 1 --threads-per-job 2
+smollm2-compare: $(STAMP) $(MODELS_STAMP)
+	$(SMOLLM2_COMPARE) --output-dir runs/smollm2-compare/report --objectives clip,atr,unconstrained,clip_higher
+
+smollm2-figure3: $(STAMP) $(MODELS_STAMP)
+	$(SMOLLM2_COMPARE) --output-dir runs/smollm2-compare/figure3 --objectives atr,clip --sweep delta=0.02,0.07,0.2

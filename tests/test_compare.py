@@ -870,6 +870,35 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
         assert (path.stat().st_mtime_ns == mtimes[key]) == (key != "kl3/seed1")
 
 
+def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, monkeypatch):
+    """An evaluation with completion stats gives the runs `eval_length` / `eval_entropy` outcomes (the held-out
+    average), compared with the reference paired by seed; runs evaluated without them keep the old outcome list."""
+    from trustclip.compare.results import OPTIONAL, group_runs, load_run, outcomes_of, paired_comparisons, run_rows
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
+    runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
+    plain = group_runs([load_run(spec) for spec in runs])
+    assert not {o.key for o in outcomes_of(plain)} & set(OPTIONAL)
+    assert not {d.outcome for d in paired_comparisons(plain, "clip")} & set(OPTIONAL)
+
+    def length(objective, seed):
+        return 20.0 + 5 * seed + (10.0 if objective == "kl3" else 0.0)
+
+    for spec in runs:
+        path = spec.run_dir / "eval" / "after.json"
+        data = json.loads(path.read_text())
+        stats = {"length": length(spec.objective, spec.seed), "entropy": 0.5 + 0.1 * spec.seed}
+        data["completion_stats"] = {"s1": stats, "s2": stats, "average": stats}
+        path.write_text(json.dumps(data))
+    records = [load_run(spec) for spec in runs]
+    row = run_rows(records[0])
+    assert row["eval_length"] == length(runs[0].objective, runs[0].seed)
+    assert row["completions/final/s1/entropy"] == pytest.approx(0.5 + 0.1 * runs[0].seed)
+    diffs = {d.outcome: d for d in paired_comparisons(group_runs(records), "clip")}
+    assert diffs["eval_length"].mean == pytest.approx(10.0) and diffs["eval_length"].n == 2
+    assert diffs["eval_entropy"].mean == pytest.approx(0.0)
+
+
 def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatch):
     """Every number of a run is one row (run, group, seed, outcome, value); a group's numbers are its pivot, `gain` is
     final - RL start once (the outcome, the per-split rows and the Findings' gain sentence agree), and results.csv
@@ -884,18 +913,21 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
     assert {tuple(row) for row in rows} == {("run", "group", "seed", "outcome", "value")}
     value = {(row["run"], row["outcome"]): row["value"] for row in rows}
     for r in records:
+        value_of = FAKE["value"]  # the registered objective (atr is kl3) at its hyper-parameters
+        expected = {f"s{i + 1}": value_of(r.spec.objective, r.spec.seed, i, **r.spec.hparams) for i in (0, 1)}
+        expected["average"] = (expected["s1"] + expected["s2"]) / 2  # the stand-in's formulas, not a copy of a file
         for split in ("s1", "s2", "average"):
-            for metric in ("mean@2", "pass@2"):
-                assert value[(r.spec.run_id, f"final/{split}/{metric}")] == r.final[split][metric]
+            for metric, shift in (("mean@2", 0.0), ("pass@2", 0.2)):
+                assert value[(r.spec.run_id, f"final/{split}/{metric}")] == pytest.approx(expected[split] + shift)
                 assert value[(r.spec.run_id, f"gain/{split}/{metric}")] == pytest.approx(0.15)  # the stand-in's start
         assert value[(r.spec.run_id, "gain")] == value[(r.spec.run_id, "gain/average/mean@2")]
         assert value[(r.spec.run_id, "collapse")] == 0.0
-        assert value[(r.spec.run_id, "mean@K")] == r.final["average"]["mean@2"]
+        assert value[(r.spec.run_id, "mean@K")] == pytest.approx(expected["average"])
     groups = group_runs(records)
     assert [g.group for g in groups] == ["clip", "atr"]
     clip = groups[0]
-    assert clip.values["final/s1/mean@2"] == {s: average_split("clip", s, 0) for s in (0, 1)}
-    assert clip.stat("final/s1/mean@2").values == tuple(clip.values["final/s1/mean@2"].values())
+    assert clip.values["final/s1/mean@2"] == pytest.approx({s: FAKE["value"]("clip", s, 0) for s in (0, 1)})
+    assert clip.stat("final/s1/mean@2").mean == pytest.approx(np.mean([FAKE["value"]("clip", s, 0) for s in (0, 1)]))
     assert clip.table("gain")["average"]["mean@2"].n == 2
     text = findings(groups, ["s1", "s2", "average"], ["mean@2", "pass@2"], 4, 4, 5, "clip", [])
     assert "clip - RL start, held-out Average Mean@2: +15.0 points [95% CI +15.0, +15.0], n = 2 paired seeds: " \
@@ -910,13 +942,10 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
         ("clip/seed1", "outcome", "", "gain"), ("atr/seed0", "dynamics", "", "entropy (last 10%)")}
 
 
-def average_split(objective: str, seed: int, split: int) -> float:
-    return FAKE["value"](objective, seed, split)
-
-
 def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatch):
     """A partial run whose resume fails is reported failed (no silent restart from scratch); the message names the
-    two ways on, and --restart-partial (resume_partial=False) then starts it afresh."""
+    two ways on (rerun, or delete that run's folder), and --restart-partial (resume_partial=False) also starts it
+    afresh."""
     monkeypatch.setenv("FAKE_FAIL", "clip")
     settings = fake_settings(fake_env, objectives=("clip",), seeds=(0,))
     assert run_compare(settings, say=lambda s: None) == 1  # the fake pipeline leaves state.json behind
@@ -926,7 +955,8 @@ def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatc
     rerun = events(fake_env, n)
     assert [(r["event"], r.get("resumed")) for r in rerun if r["event"] in ("start", "fail")] == [
         ("start", True), ("fail", None)]
-    assert any("rerun to resume it, or --restart-partial to start it afresh" in line for line in said)
+    assert any(f"rerun to resume it, or delete {fake_env / 'runs' / 'clip' / 'seed0'} to start this run afresh" in line
+               for line in said)
     monkeypatch.delenv("FAKE_FAIL")
     settings.resume_partial = False
     n = len(events(fake_env))

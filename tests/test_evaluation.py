@@ -174,6 +174,78 @@ def test_evaluate_in_memory_model_is_seeded_and_restores_state(tiny_model_and_to
     model.eval()
 
 
+def test_completion_mask_ends_at_the_first_end_of_sequence_token():
+    import torch
+
+    from trustclip.evaluation.generation import completion_mask
+
+    tokens = torch.tensor([[5, 6, 2, 2, 2], [5, 2, 7, 2, 0], [5, 6, 7, 8, 9], [3, 6, 7, 8, 9]])
+    mask = completion_mask(tokens, [2, 3])
+    assert mask.sum(1).tolist() == [3, 2, 5, 1]  # the end token counts (as TRL counts a completion's length)
+    assert mask.tolist()[1] == [True, True, False, False, False]
+
+
+def test_held_out_length_and_entropy_match_a_forward_over_the_completions(tiny_model_and_tokenizer):
+    """Greedy samples, so the test can regenerate the same tokens: each sample's length is its token count up to the
+    first end token, its entropy the mean over those tokens of the entropy of softmax(logits) from a plain forward
+    pass (float64); the benchmark's entropy is token-weighted, and `average` is the mean over benchmarks."""
+    import torch
+
+    from trustclip.evaluation.generation import completion_mask, generate_hf
+
+    model, tokenizer = tiny_model_and_tokenizer
+    model.eval()
+    cfg = EvalConfig(k=1, max_new_tokens=12, temperature=0.0, batch_size=1, show_progress=False)  # no padding
+    prompts = ["What is 1+2?", "Compute 7*8 please."]
+    samples = generate_hf(model, tokenizer, prompts, cfg)
+    eos_ids = [model.generation_config.eos_token_id, tokenizer.eos_token_id]
+    for prompt, (sample,) in zip(prompts, samples, strict=True):
+        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            logits = model(out).logits[0, enc["input_ids"].shape[1] - 1 : -1].double()
+        generated = out[:, enc["input_ids"].shape[1]:]
+        n = int(completion_mask(generated, [e for e in eos_ids if e is not None]).sum())
+        logp = torch.log_softmax(logits[:n], dim=-1)
+        expected = float(-(logp.exp() * logp).sum(-1).mean())
+        assert sample.tokens == n and sample.text == tokenizer.decode(generated[0], skip_special_tokens=True)
+        assert sample.entropy == pytest.approx(expected, rel=1e-4)
+    # Sampled at T = 0.3 (one prompt, so the seeded draw can be repeated): the entropy is still the raw logits'.
+    hot = dataclasses.replace(cfg, temperature=0.3, seed=5)
+    (sample,), = generate_hf(model, tokenizer, prompts[:1], hot)
+    enc = tokenizer(prompts[0], return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(hot.seed)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=True, temperature=0.3, top_p=hot.top_p, top_k=0,
+                             pad_token_id=tokenizer.pad_token_id)
+        logits = model(out).logits[0, enc["input_ids"].shape[1] - 1 : -1].double()
+    n = int(completion_mask(out[:, enc["input_ids"].shape[1]:], [e for e in eos_ids if e is not None]).sum())
+    raw, tempered = (torch.log_softmax(logits[:n] / t, dim=-1) for t in (1.0, 0.3))
+    assert sample.tokens == n
+    assert sample.entropy == pytest.approx(float(-(raw.exp() * raw).sum(-1).mean()), rel=1e-4)
+    assert sample.entropy != pytest.approx(float(-(tempered.exp() * tempered).sum(-1).mean()), rel=1e-2)
+    result = evaluate(model, tokenizer, {"a": BENCH["easy"], "b": BENCH["hard"]}, cfg)
+    stats = result.completion_stats
+    assert set(stats) == {"a", "b", "average"} and set(stats["a"]) == {"length", "entropy"}
+    assert stats["average"]["length"] == pytest.approx((stats["a"]["length"] + stats["b"]["length"]) / 2)
+    assert result.to_dict()["completion_stats"] == stats
+    assert [len(s["tokens"]) for s in result.samples["a"]] == [1, 1]
+
+
+def test_text_only_generators_get_lengths_from_the_tokenizer_and_no_entropy(tiny_model_and_tokenizer):
+    _, tokenizer = tiny_model_and_tokenizer
+    texts = {"easy": ["\\boxed{4} ok", "\\boxed{9}"]}
+
+    def text_only(prompts):
+        return [[texts["easy"][i % 2]] for i, _ in enumerate(prompts)]
+
+    result = evaluate(None, tokenizer, {"easy": BENCH["easy"][:2]}, EvalConfig(k=1, show_progress=False),
+                      generate_fn=text_only)
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts["easy"]]
+    assert result.completion_stats["easy"] == {"length": pytest.approx(sum(lengths) / 2)}
+    assert "entropy" not in result.completion_stats["average"]
+
+
 def fake_result(name: str, values: dict[str, tuple[float, float]]) -> EvalResult:
     metrics = {b: {"mean@8": m, "pass@8": p} for b, (m, p) in values.items()}
     return EvalResult(name, EvalConfig(show_progress=False), metrics, {}, {b: [] for b in values}, "hf", 1.0)

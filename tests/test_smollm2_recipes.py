@@ -80,3 +80,24 @@ def test_gsm8k_recipe_reads_no_eval_set_for_training_and_its_benchmarks_load(sha
     config.data.eval = [spec.replace("../shared/data", str(shared_data_dir)) for spec in config.data.eval]
     benchmarks = load_benchmarks(config)
     assert {name: len(rows) for name, rows in benchmarks.items()} == {"gsm8k": 1319, "math500_l12": 133, "amc23": 83}
+
+
+def test_offpolicy_recipe_is_the_arith_recipe_with_stale_updates_and_room_for_length():
+    """recipes/smollm2_offpolicy.yaml (make smollm2-compare) changes only what makes the constraint act and leaves
+    the entropy and length free: 4 optimizer steps per generation batch instead of 2, T = 1.0, a lighter SFT and a
+    96-token budget (training and evaluation alike); model, data, precision and the evaluation protocol are the
+    arith recipe's."""
+    arith = load_config(ROOT / "recipes" / "smollm2_arith.yaml")
+    off = load_config(ROOT / "recipes" / "smollm2_offpolicy.yaml")
+
+    def updates_per_batch(r):
+        return (r.steps_per_generation or r.gradient_accumulation_steps) // r.gradient_accumulation_steps \
+            * r.num_iterations
+
+    assert (updates_per_batch(arith.rl), updates_per_batch(off.rl)) == (2, 4)
+    assert (off.rl.objective, off.rl.objective_kwargs, off.rl.temperature) == ("clip", {"epsilon": 0.2}, 1.0)
+    assert off.rl.max_completion_length == off.eval.max_new_tokens == 2 * arith.rl.max_completion_length
+    assert off.sft.max_steps < arith.sft.max_steps
+    assert (off.model, off.data, off.bf16) == (arith.model, arith.data, arith.bf16)
+    assert (off.eval.k, off.eval.temperature, off.rl.learning_rate) == (arith.eval.k, arith.eval.temperature,
+                                                                         arith.rl.learning_rate)

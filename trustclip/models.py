@@ -125,8 +125,9 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int 
     build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
     processes never see a half-written checkpoint.
     """
-    shape = locals()  # the keyword arguments above are TinyModelConfig's fields (trustclip train checks them by name)
-    cfg = TinyModelConfig(**{name: shape[name] for name in TinyModelConfig.__dataclass_fields__})
+    cfg = TinyModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+                          max_position_embeddings=max_position_embeddings, seed=seed)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
     return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)

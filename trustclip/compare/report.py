@@ -22,13 +22,13 @@ from trustclip.compare.results import (
     AVERAGE,
     OFFPOLICY,
     OUTCOME,
-    OUTCOMES,
     SECTIONS,
     SERIES,
     Group,
     RunRecord,
     group_aggregates,
     metric_title,
+    outcomes_of,
     paired_comparisons,
     splits_of,
     tidy,
@@ -146,11 +146,12 @@ def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> 
 
 
 # --------------------------------------------------------------------------------------------------- writers
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (), aggregates: dict | None = None,
-             records: Sequence[RunRecord] = ()) -> list[dict[str, Any]]:
-    """The tidy table in long format (fractions, not percentages), then the paired comparisons and aggregates."""
+def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
+             aggregates: dict | None = None) -> list[dict[str, Any]]:
+    """The tidy table of the groups' runs in long format (fractions, not percentages), then the paired comparisons and
+    aggregates."""
     rows: list[dict[str, Any]] = []
-    for row in tidy(records):
+    for row in tidy([r for g in groups for r in g.runs]):
         section, sep, rest = row["outcome"].partition("/")
         if not sep:
             section, rest = ("outcome", section) if section in OUTCOME else (section, "total")
@@ -185,7 +186,8 @@ def _group_json(g: Group) -> dict[str, Any]:
             **{section: {s: {m: st.to_dict() for m, st in ms.items()} for s, ms in g.table(section).items()}
                for section in SECTIONS},
             "dynamics": dynamics, "seconds": g.stat("seconds").to_dict(),
-            "outcomes": {o.key: {str(seed): v for seed, v in g.values[o.key].items()} for o in OUTCOMES}}
+            "outcomes": {o.key: {str(seed): v for seed, v in g.values.get(o.key, {}).items()}
+                         for o in outcomes_of([g])}}
 
 
 def _run_json(r: RunRecord) -> dict[str, Any]:
@@ -268,8 +270,9 @@ def _markdown(records: Sequence[RunRecord], groups: Sequence[Group], splits: Seq
     if singles:
         parts += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles)]
     return "\n".join([*parts, "", "## Runs", "", runs_table(records, splits), "", "## Files", "",
-                      "- `results.json`, `results.csv`: every number above (fractions, unrounded; per seed and "
-                      "aggregated)",
+                      "- `results.json`: every number above (fractions, unrounded; per seed and per group); "
+                      "`results.csv`: one row per number of a run, then the paired comparisons and IQM / "
+                      "P(improvement)",
                       "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures",
                       "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, "
                       "metrics.jsonl, eval/, plots/, checkpoints)", ""])
@@ -302,7 +305,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                    figs, out, start, missing, failed or {},
                    _statistics_markdown(groups, metrics, reference, diffs, aggregates, k))
     paths = {"report": write_text_atomic(out / "report.md", md),
-             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates, records), CSV_COLUMNS),
+             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
              "curves": _write_csv(out / "curves.csv", curve_rows,
                                   ["figure", "panel", "group", "x", "mean", "std", "n_seeds"])}
     paths["json"] = write_json_atomic(out / "results.json", {
@@ -313,7 +316,8 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
         "shared_sft": {"runs": [s.run_id for s in sft_runs], "seconds": sft_time.to_dict()},
         "figures": [str(p.relative_to(out)) for p in figs], "reference": reference,
         "method": method_lines(reference, k),
-        "outcomes": {o.key: outcome_label(o, k) for o in OUTCOMES}, "comparisons": [d.to_dict() for d in diffs],
+        "outcomes": {o.key: outcome_label(o, k) for o in outcomes_of(groups)},
+        "comparisons": [d.to_dict() for d in diffs],
         "aggregates": {g: {kind: {m: e.to_dict() for m, e in per.items()} for kind, per in kinds.items()}
                        for g, kinds in aggregates.items()},
     })

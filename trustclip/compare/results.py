@@ -8,8 +8,10 @@ RL checkpoints, per split and metric, as `trustclip.evaluation.final_and_best` (
 themselves: optimistic, as in the paper; the report says so).
 
 Outcomes: `final/<split>/<metric>`, `best/...`, `before/...`, `gain/...` (final - RL start, computed here only),
-`dynamics/<series> (last 10%)` / `(mean)`, `seconds`, and the per-run scalars of `OUTCOMES` that the report compares
-between groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value.
+`dynamics/<series> (last 10%)` / `(mean)`, `completions/<final|before>/<split>/<length|entropy>` (the held-out
+completions' length and entropy, where the evaluation recorded them), `seconds`, and the per-run scalars of
+`OUTCOMES` that the report compares between groups, paired by seed. A `Group` is the table pivoted to one group:
+outcome -> seed -> value.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import numpy as np
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
+from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import series_from_rows
 
-AVERAGE = "average"
 EVAL_PREFIX = "eval/"
 OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
 SERIES = {  # training series of the paper's Figure 2 (names as TRL / trustclip log them), with their labels
@@ -65,7 +67,10 @@ OUTCOMES = (
     Outcome("offpolicy_frac", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)",
             100.0, " pp", 2),
     Outcome("collapse", "collapse: final Mean@{k} below the RL start (% of runs)", 100.0, " pp", 0),
+    Outcome("eval_entropy", "held-out entropy, final (nats/token, T = 1)", 1.0, " nats", 3),
+    Outcome("eval_length", "held-out completion length, final (tokens)", 1.0, " tokens", 1),
 )
+OPTIONAL = ("eval_entropy", "eval_length")  # only in evaluations that recorded completion stats
 PRIMARY = OUTCOMES[0]
 OUTCOME = {o.key: o for o in OUTCOMES}
 
@@ -88,6 +93,7 @@ class RunRecord:
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), RL stage
     seconds: dict[str, float]
     rl_steps: int | None
+    completions: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # final|before -> split -> stats
 
     @property
     def metrics(self) -> tuple[str, str]:
@@ -155,7 +161,8 @@ def load_run(spec: RunSpec) -> RunRecord:
         before=({s: {m: float(v[m]) for m in metrics} for s, v in before["metrics"].items()} if before else None),
         history=dict(sorted(history.items())), curves=_with_average_curve(after.get("curves") or {}),
         series=series_from_rows(rows), seconds={str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
-        rl_steps=rl_steps)
+        rl_steps=rl_steps, completions={when: data["completion_stats"] for when, data in (("final", after),
+                                        ("before", before)) if data and data.get("completion_stats")})
 
 
 def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
@@ -177,6 +184,9 @@ def run_rows(record: RunRecord) -> dict[str, float]:
         if key in record.series:
             out[f"dynamics/{key} (last 10%)"] = tail_mean(record.series[key][1])
             out[f"dynamics/{key} (mean)"] = float(record.series[key][1].mean())
+    for when, splits in record.completions.items():
+        out.update({f"completions/{when}/{split}/{k}": float(v) for split, stats in splits.items()
+                    for k, v in stats.items()})
     out["seconds"] = record.seconds.get("total", math.nan)
     split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
     mean_k, pass_k = record.metrics
@@ -185,7 +195,8 @@ def run_rows(record: RunRecord) -> dict[str, float]:
         return reduce(record.series[key][1]) if key in record.series else math.nan
 
     gain = out.get(f"gain/{split}/{mean_k}", math.nan)
-    return out | {
+    held_out = {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()}
+    return out | held_out | {
         "mean@K": record.final[split][mean_k], "pass@K": record.final[split][pass_k], "gain": gain,
         "entropy": series(names.ENTROPY, tail_mean), "reward": series(names.REWARD, tail_mean),
         "length": series(names.COMPLETION_LENGTH, tail_mean),
@@ -264,12 +275,17 @@ def splits_of(records: Sequence[RunRecord]) -> list[str]:
     return [*found, AVERAGE] if any(AVERAGE in r.final for r in records) else found
 
 
+def outcomes_of(groups: Sequence[Group]) -> list[Outcome]:
+    """The `OUTCOMES` the runs have: the optional ones only where some run recorded them."""
+    return [o for o in OUTCOMES if o.key not in OPTIONAL or any(o.key in g.values for g in groups)]
+
+
 def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
     """Every outcome of every other group against the reference group, paired by seed (runs of one seed start RL
     from the same SFT model), in group then outcome order."""
     ref = next(g for g in groups if g.group == reference)
-    return [paired_difference(g.values[o.key], ref.values[o.key], group=g.group, ref=ref.group, outcome=o.key)
-            for g in groups if g is not ref for o in OUTCOMES]
+    return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
+                              outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
 
 
 def score_matrix(group: Group, metric: str, splits: Sequence[str]) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""Running a comparison's runs: each run is one worker process (`python -m trustclip.compare.runner RUN_DIR`, the
-in-process equivalent of `trustclip train --config RUN_DIR/run_spec.json [--resume]`), `jobs` at a time in a
-`concurrent.futures` pool.
+"""Running a comparison's runs: each run is one worker process (`python -m trustclip.compare.runner RUN_DIR`, which
+runs the pipeline on the spec's config with output_dir = RUN_DIR and RL from the shared SFT model, as `trustclip
+train [--resume]` would), `jobs` at a time in a `concurrent.futures` pool.
 
 - A run is *finished* when `run_complete.json` (written by the worker after the pipeline returned) carries the
   run's fingerprint and `summary.json` is readable. Finished runs are never redone; an unfinished one is continued
@@ -125,6 +125,9 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, jobs: int | None = Non
     """Run every unfinished spec, `jobs` at a time (default min(2, cores)), each in a worker process with `threads`
     torch threads (default cores // jobs, so that parallel runs do not oversubscribe the cores). Safe to call again
     after any interruption."""
+    for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
     root, jobs = Path(root), jobs or max(1, min(2, _cores()))
     with acquire_compare_lock(root):
         check_changed(runs, redo_changed)
@@ -168,9 +171,11 @@ class _Pool:
                     _, pending = wait(pending, timeout=0.5)
                     if self.stop.is_set() and not self.result.interrupted:
                         self.result.interrupted = True
-                        self.say(f"interrupted: stopping {len(self.running)} running run(s); rerun the same command "
+                        with self.lock:  # a worker being started (under the lock) is in `running` once we see it
+                            processes = [process for process, _ in self.running.values()]
+                        self.say(f"interrupted: stopping {len(processes)} running run(s); rerun the same command "
                                  "to resume")
-                        for process, _ in list(self.running.values()):
+                        for process in processes:
                             _kill(process)
                     elif pending and self.running and time.time() - last >= progress_every:
                         self.say(self.status_line())
@@ -242,7 +247,8 @@ class _Pool:
         if self.stop.is_set():
             return self.log("interrupted", spec.run_id, seconds=seconds)
         return self.fail(spec, f"{reason or f'worker exited with code {code}'}; log: {spec.run_dir / WORKER_LOG}"
-                         + ("; rerun to resume it, or --restart-partial to start it afresh" if resumed else ""),
+                         + (f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed
+                            else ""),
                          seconds=seconds, returncode=code, tail=_tail(spec.run_dir / WORKER_LOG))
 
     def fail(self, spec: RunSpec, reason: str, **extra: Any) -> None:
@@ -351,8 +357,7 @@ def _inherited_lock(fd: int) -> Any:
     return handle
 
 
-def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, pipeline: str | None = None,
-               lock_fd: int | None = None) -> int:
+def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, lock_fd: int | None = None) -> int:
     """Run one spec to completion; returns a process exit code (0 = finished and marked complete)."""
     run_dir = Path(run_dir)
     spec = read_json(run_dir / SPEC_FILE)
@@ -364,7 +369,7 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False, pipe
         print(f"worker: {run_dir} is locked by another process", file=sys.stderr)
         return 3
     with lock:
-        fn = load_pipeline(pipeline or spec.get("pipeline") or DEFAULT_PIPELINE)
+        fn = load_pipeline(spec.get("pipeline") or DEFAULT_PIPELINE)  # the compare's --pipeline, in the spec
         _set_threads(threads)
         start = time.time()
         print(f"worker: run {spec['run_id']} ({spec['fingerprint']}), {threads} thread(s), resume={resume}", flush=True)
@@ -396,14 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
-    parser.add_argument("--pipeline", default=None, help="module:function replacing the training pipeline")
     parser.add_argument("--lock-fd", type=int, default=None, help="open RUN_DIR/.lock of the compare")
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error("--threads must be >= 1")
     if (parent := os.environ.get(PARENT_ENV, "")).isdigit():
         _watch_parent(int(parent))
-    return run_worker(args.run_dir, args.threads, args.resume, args.pipeline, args.lock_fd)
+    return run_worker(args.run_dir, args.threads, args.resume, args.lock_fd)
 
 
 if __name__ == "__main__":

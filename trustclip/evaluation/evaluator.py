@@ -15,17 +15,19 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trustclip.evaluation.config import EvalConfig
-from trustclip.evaluation.generation import check_backend, generate_hf, generate_vllm, vllm_available
+from trustclip.evaluation.generation import Sample, check_backend, generate_hf, generate_vllm, vllm_available
 from trustclip.evaluation.metrics import AVERAGE, benchmark_metrics, metric_curves
 
 
 @dataclass
 class EvalResult:
-    """Scores of one model: `metrics[benchmark]["mean@K" | "pass@K"]` as fractions, plus `average`."""
+    """Scores of one model: `metrics[benchmark]["mean@K" | "pass@K"]` as fractions, plus `average`;
+    `completion_stats[benchmark]` the mean completion length (tokens) and, where the backend gives logits, the
+    token-weighted mean entropy of the policy (nats per token, T = 1) over the sampled completions."""
 
     model: str
     config: EvalConfig
@@ -35,6 +37,7 @@ class EvalResult:
     backend: str
     elapsed_s: float
     step: int | None = None
+    completion_stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """`{"eval/<benchmark>/mean@8": ...}` for trainer logging."""
@@ -43,7 +46,8 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         """Everything but the samples (`write_report` puts those in samples.jsonl)."""
         return {"model": self.model, "step": self.step, "backend": self.backend, "seed": self.config.seed,
-                "elapsed_s": self.elapsed_s, "metrics": self.metrics, "curves": self.curves}
+                "elapsed_s": self.elapsed_s, "metrics": self.metrics, "curves": self.curves,
+                "completion_stats": self.completion_stats}
 
 
 def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str, Any]]],
@@ -52,7 +56,7 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     """Evaluate an in-memory model on `{name: rows}` (rows have `problem` and `answer`).
 
     Callable from a trainer for periodic eval: the model's train/eval mode, the tokenizer's padding side
-    and the global torch RNG state are restored afterwards. `generate_fn(prompts) -> list[list[str]]`
+    and the global torch RNG state are restored afterwards. `generate_fn(prompts) -> list[list[str | Sample]]`
     replaces HF generation (vLLM, a server...); `verifier` is a `trustclip.rewards.MathVerifier`.
     """
     from trustclip.data.templates import format_prompt
@@ -62,7 +66,7 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
     t0 = time.perf_counter()
-    metrics, curves, samples = {}, {}, {}
+    metrics, curves, samples, stats = {}, {}, {}, {}
     sampler = model
     if config.bf16 and generate_fn is None:  # one merged bfloat16 copy to sample from, for every benchmark
         import torch
@@ -76,10 +80,11 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
         prompts = [format_prompt(r["problem"], tokenizer, config.prompt_style, config.system_prompt,
                                  **config.chat_template_kwargs) for r in rows]
         if generate_fn is not None:
-            completions = generate_fn(prompts)
+            completions = [[_as_sample(c, tokenizer) for c in group] for group in generate_fn(prompts)]
         else:
             completions = generate_hf(sampler, tokenizer, prompts, config, desc=name)
-        flat = [c for group in completions for c in group]
+        stats[name] = completion_stats([c for group in completions for c in group])
+        flat = [c.text for group in completions for c in group]
         answers = [str(r[config.answer_key]) for r, group in zip(rows, completions, strict=True) for _ in group]
         scores = iter(score_completions(flat, answers, timeout=config.reward_timeout,
                                         fallback=config.answer_fallback, verifier=verifier))
@@ -87,14 +92,41 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
         metrics[name] = benchmark_metrics(correct, [config.k])
         curves[name] = metric_curves(correct)
         samples[name] = [
-            {"id": r.get("id"), "answer": r[config.answer_key], "prompt": p, "completions": g, "scores": s}
+            {"id": r.get("id"), "answer": r[config.answer_key], "prompt": p, "completions": [c.text for c in g],
+             "scores": s, "tokens": [c.tokens for c in g]}
             for r, p, g, s in zip(rows, prompts, completions, correct, strict=True)
         ]
-    per_benchmark = list(metrics.values())
-    metrics[AVERAGE] = {m: float(sum(v[m] for v in per_benchmark) / len(per_benchmark)) for m in per_benchmark[0]}
+    metrics[AVERAGE] = _average(list(metrics.values()))
+    if all(stats.values()):
+        stats[AVERAGE] = _average(list(stats.values()))
     name = model_name or getattr(model, "name_or_path", None) or type(model).__name__
     backend = "custom" if generate_fn is not None else "hf"
-    return EvalResult(str(name), config, metrics, curves, samples, backend, time.perf_counter() - t0, step)
+    return EvalResult(str(name), config, metrics, curves, samples, backend, time.perf_counter() - t0, step,
+                      {b: v for b, v in stats.items() if v})
+
+
+def _as_sample(completion: str | Sample, tokenizer: Any) -> Sample:
+    """A custom generator's completion as a `Sample`: its length from the tokenizer when it gave only text."""
+    if isinstance(completion, Sample):
+        return completion
+    tokens = len(tokenizer(completion, add_special_tokens=False)["input_ids"]) if tokenizer is not None else None
+    return Sample(completion, tokens)
+
+
+def completion_stats(samples: Sequence[Sample]) -> dict[str, float]:
+    """Mean length (tokens) of the completions and their token-weighted mean entropy, each where every sample has it."""
+    out = {}
+    if samples and all(s.tokens is not None for s in samples):
+        out["length"] = sum(s.tokens for s in samples) / len(samples)
+        if all(s.entropy is not None for s in samples) and sum(s.tokens for s in samples):
+            out["entropy"] = sum(s.entropy * s.tokens for s in samples) / sum(s.tokens for s in samples)
+    return out
+
+
+def _average(per_benchmark: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The `average` row: each key's unweighted mean over the benchmarks (keys every benchmark has)."""
+    keys = [k for k in per_benchmark[0] if all(k in v for v in per_benchmark)]
+    return {k: float(sum(v[k] for v in per_benchmark) / len(per_benchmark)) for k in keys}
 
 
 def evaluate_checkpoints(models: Sequence[str], benchmarks: dict[str, Sequence[dict[str, Any]]],

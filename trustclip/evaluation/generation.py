@@ -5,14 +5,53 @@ from __future__ import annotations
 import gc
 import importlib.util
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from trustclip.evaluation.config import EvalConfig
 
 
-def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: EvalConfig, desc: str = "generate"):
-    """`config.n` sampled completions per prompt with batched `model.generate`; returns texts per prompt.
+class Sample(NamedTuple):
+    """One sampled completion: its text, its length in tokens (up to and including the end-of-sequence token, as TRL
+    counts it) and the mean entropy of the policy's next-token distribution over those tokens (raw logits, T = 1:
+    the policy's own entropy, whatever the sampling temperature; None where the backend gives no logits)."""
 
+    text: str
+    tokens: int | None = None
+    entropy: float | None = None
+
+
+def _entropy_recorder():
+    """A logits processor that records each step's next-token entropy (nats) per row and passes the logits on.
+    `generate` runs user processors before its temperature / top-p warpers, so it sees the raw logits."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class EntropyRecorder(LogitsProcessor):
+        def __init__(self) -> None:
+            self.steps: list[torch.Tensor] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            logp = torch.log_softmax(scores.float(), dim=-1)
+            self.steps.append(-(logp.exp() * logp).nan_to_num().sum(-1))  # 0 * -inf is 0 for masked tokens
+            return scores
+
+    return EntropyRecorder()
+
+
+def completion_mask(tokens: Any, eos_ids: Sequence[int]) -> Any:
+    """Generated tokens (B, L) -> bool mask of each completion's tokens: up to and including its first
+    end-of-sequence token (what `generate` writes after it is padding)."""
+    import torch
+
+    is_eos = torch.isin(tokens, torch.as_tensor(list(eos_ids), device=tokens.device))
+    return (is_eos.int().cumsum(1) - is_eos.int()) == 0
+
+
+def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: EvalConfig,
+                desc: str = "generate") -> list[list[Sample]]:
+    """`config.n` sampled completions per prompt with batched `model.generate`, as `Sample`s per prompt.
+
+    `model` is sampled as given: `config.bf16` is not applied here (`evaluate` passes its bfloat16 copy as `model`).
     Prompts are sorted by length so batches pad little. The torch RNG is seeded with `config.seed` inside
     `fork_rng`, so the caller's (e.g. a trainer's) random stream is left untouched.
     """
@@ -20,7 +59,9 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
     from tqdm.auto import tqdm
 
     jobs = sorted(((i, p) for i, p in enumerate(prompts) for _ in range(config.n)), key=lambda j: -len(j[1]))
-    outputs: list[list[str]] = [[] for _ in prompts]
+    outputs: list[list[Sample]] = [[] for _ in prompts]
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos, tokenizer.eos_token_id]) if e is not None]
     device = next(model.parameters()).device
     was_training, old_side = model.training, tokenizer.padding_side
     tokenizer.padding_side = "left"  # decoder-only batches must be left-padded
@@ -38,10 +79,15 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
                 batch = jobs[start : start + config.batch_size]
                 enc = tokenizer([p for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
                 enc = {k: v.to(device) for k, v in enc.items()}
-                out = model.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id)
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                for (i, _), text in zip(batch, texts, strict=True):
-                    outputs[i].append(text)
+                recorder = _entropy_recorder()
+                out = model.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id,
+                                     logits_processor=[recorder])
+                generated = out[:, enc["input_ids"].shape[1] :]
+                texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+                mask = completion_mask(generated, eos_ids).float()
+                entropy = (torch.stack(recorder.steps, dim=1) * mask).sum(1) / mask.sum(1).clamp(min=1)
+                for (i, _), text, n, h in zip(batch, texts, mask.sum(1).tolist(), entropy.tolist(), strict=True):
+                    outputs[i].append(Sample(text, int(n), float(h)))
                 bar.update(len(batch))
     finally:
         tokenizer.padding_side = old_side
@@ -66,7 +112,7 @@ def check_backend(backend: str) -> None:
                          "is missing here; use --backend hf (or auto)")
 
 
-def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig) -> list[list[str]]:
+def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig) -> list[list[Sample]]:
     """`config.n` completions per prompt with vLLM (GPU only); the engine is freed afterwards."""
     import torch
     from vllm import LLM, SamplingParams
@@ -77,7 +123,7 @@ def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig) -
                             max_tokens=config.max_new_tokens, seed=config.seed)
     try:
         outs = llm.generate(list(prompts), params, use_tqdm=config.show_progress)
-        return [[o.text for o in out.outputs] for out in outs]
+        return [[Sample(o.text, len(o.token_ids)) for o in out.outputs] for out in outs]
     finally:
         del llm
         gc.collect()

@@ -29,6 +29,8 @@ class CorrectnessReward:
 
     def __init__(self, answer_key: str = "answer", timeout: float = DEFAULT_TIMEOUT, fallback: bool = True,
                  verifier: MathVerifier | None = None, name: str = "correctness") -> None:
+        if not timeout > 0:
+            raise ValueError(f"CorrectnessReward: timeout must be > 0 seconds, got {timeout!r}")
         self.answer_key = answer_key
         self.timeout = timeout
         self.fallback = fallback

@@ -123,7 +123,8 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        # killed (stdin closed) but not yet reaped counts as dead: asking it would write to a closed pipe
+        return not self.proc.stdin.closed and self.proc.poll() is None
 
     def ask(self, gold: str, pred: str, timeout: float) -> Verdict:
         """The verdict on one pair; raises OSError when the worker had died before the request."""
@@ -228,10 +229,14 @@ class MathVerifier:
             worker.kill()
         if closes != self._closes:
             raise RuntimeError("the math-verify workers were closed during the call")
-        if worker is not None:
+        new = _Worker(self.memory_mb, self.startup_timeout)
+        if closes != self._closes:  # close() ran while it started (seconds): it must not outlive the pool
+            new.kill()
+            raise RuntimeError("the math-verify workers were closed during the call")
+        if worker in self._workers:
             self._workers.remove(worker)
-        self._workers.append(_Worker(self.memory_mb, self.startup_timeout))
-        return self._workers[-1]
+        self._workers.append(new)
+        return new
 
     def close(self) -> None:
         """Kill the worker processes (new ones start on the next call)."""
@@ -260,6 +265,8 @@ def default_verifier() -> MathVerifier:
 def score_completions(completions: Sequence[str], answers: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
                       fallback: bool = True, verifier: MathVerifier | None = None) -> list[float]:
     """Binary correctness (1.0 / 0.0) of each completion against its reference answer."""
+    if not timeout > 0:  # checked here, not only where math-verify is called: most answers never reach it
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     if len(completions) != len(answers):
         raise ValueError(f"got {len(completions)} completions but {len(answers)} answers")
     verifier = verifier or default_verifier()

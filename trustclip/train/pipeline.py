@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
 from trustclip.train.checks import check_run
@@ -199,8 +200,9 @@ def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict)
         run.print(f"[eval] {when}: {names} (Mean@{run.config.eval.k}, T={run.config.eval.temperature})")
         result = run_eval(model, tokenizer, benchmarks, run.config)
         key = f"mean@{run.config.eval.k}"
+        stats = result.completion_stats.get(AVERAGE, {})
         run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
-                  + f" ({time.perf_counter() - t:.0f}s)")
+                  + "".join(f", {k} {v:.3g}" for k, v in stats.items()) + f" ({time.perf_counter() - t:.0f}s)")
         write_json_atomic(run.out / "eval" / f"{when}.json", result.to_dict())
     run.dist.wait_for_everyone()
     run.finish(f"eval_{when}", time.perf_counter() - t)
