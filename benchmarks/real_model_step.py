@@ -48,6 +48,7 @@ CONFIGS = {
 # forward of the slices used only before the next optimizer update).
 SCORE_EVERY_SLICE = set(list(CONFIGS)[:-1])
 
+
 def recipe_config(recipe: str, overrides: list[str], steps: int, out: Path):
     from trustclip.train.config import load_config
 

@@ -39,7 +39,8 @@ class Param:
     doc: str = ""
 
 
-def _is_number(x: Any) -> bool:
+def is_finite_number(x: Any) -> bool:
+    """A real number (not a bool), neither NaN nor infinite."""
     return isinstance(x, int | float) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
 
 
@@ -50,7 +51,7 @@ def number(default: float, low: float | None = None, high: float | None = None, 
     def check(x: Any) -> bool:
         if x is None:
             return optional
-        if not _is_number(x):
+        if not is_finite_number(x):
             return False
         if low is not None and (x <= low if strict_low else x < low):
             return False

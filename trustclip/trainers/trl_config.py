@@ -13,10 +13,11 @@ from trl import GRPOConfig
 
 from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+from trustclip.objectives.registry import is_finite_number
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
 from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
-from trustclip.trainers.trl_options import SCALE_REWARDS_OF, is_number, spelled
+from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
 from trustclip.trainers.trl_options import translate as translate_trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
@@ -212,16 +213,16 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
     import importlib.util
 
     quantile = args.top_entropy_quantile
-    if not (is_number(quantile) and 0.0 <= quantile <= 1.0):
+    if not (is_finite_number(quantile) and 0.0 <= quantile <= 1.0):
         raise ValueError(f"top_entropy_quantile={quantile!r} is invalid: must be in [0, 1] (the fraction of tokens "
                          "kept by entropy; 1 keeps all)")
     threshold = args.off_policy_mask_threshold
-    if threshold is not None and not (is_number(threshold) and 0.0 <= threshold < math.inf):
+    if threshold is not None and not (is_finite_number(threshold) and threshold >= 0.0):
         raise ValueError(f"off_policy_mask_threshold={threshold!r} is invalid: must be a finite number >= 0 (or None)")
     for name in ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
                  "entropy_target"):
         value = getattr(args, name)
-        if not (is_number(value) and math.isfinite(value)):
+        if not is_finite_number(value):
             raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
     for name in ("beta", "entropy_coef_delta"):
         if getattr(args, name) < 0:

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from trustclip.objectives.registry import is_finite_number
+
 # GRPOConfig fields that only TRL's own loss reads: the trustclip objective replaces all of them.
 LOSS_OPTIONS = ("loss_type", "epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
@@ -112,7 +114,7 @@ def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, 
     if loss_type == "cispo":
         unused("delta", *(("epsilon",) if "epsilon_high" in loss else ()))
         cap = loss.get("epsilon_high", loss.get("epsilon", TRL_EPSILON))
-        if not is_number(cap) or cap < 1:
+        if not is_finite_number(cap) or cap < 1:
             raise ValueError(f"{spelled(loss)}: TRL's cispo caps the ratio w at epsilon_high (epsilon when it is "
                              f"not set), here {cap!r}, below 1; give epsilon_high >= 1 (ScaleRL's 5.0), or use "
                              "objective='cispo' with objective_kwargs={'epsilon_high': ...} (a cap of "
@@ -122,7 +124,7 @@ def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, 
     high = loss.get("epsilon_high", low)
     if "delta" in loss:
         delta = loss["delta"]
-        if delta is not None and not (is_number(high) and is_number(delta) and delta >= 1 + high):
+        if delta is not None and not (is_finite_number(high) and is_finite_number(delta) and delta >= 1 + high):
             raise ValueError(f"{spelled(loss)}: TRL's two-sided clip (delta) is dual_clip only for delta >= "
                              f"1 + epsilon_high; use objective='dual_clip' with objective_kwargs epsilon_low, "
                              "epsilon_high and clip_ratio_c")
@@ -131,7 +133,3 @@ def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, 
     if high == low:
         return "clip", {"epsilon": low}
     return "clip_higher", {"epsilon_low": low, "epsilon_high": high}
-
-
-def is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
