@@ -897,6 +897,11 @@ def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, 
     diffs = {d.outcome: d for d in paired_comparisons(group_runs(records), "clip")}
     assert diffs["eval_length"].mean == pytest.approx(10.0) and diffs["eval_length"].n == 2
     assert diffs["eval_entropy"].mean == pytest.approx(0.0)
+    from trustclip.compare.report import completions_table
+
+    assert completions_table(plain) is None  # old runs: no such table in their report
+    table = completions_table(group_runs(records))
+    assert table.splitlines()[2].startswith("| clip | n/a | 22.5 ± 3.5 | n/a | 0.550 ± 0.071 |")  # no before stats
 
 
 def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatch):

@@ -94,6 +94,20 @@ def dynamics_table(groups: Sequence[Group]) -> str:
         + [fmt_pm(g.stat("seconds"), 1.0, 0)] for g in groups])
 
 
+def completions_table(groups: Sequence[Group]) -> str | None:
+    """Held-out completions at the RL start and at the end (length, and the policy's entropy where recorded), on the
+    held-out average, per group; None when no run's evaluation recorded them."""
+    stats = [(key, label, digits) for key, label, digits in (("length", "length (tokens)", 1),
+                                                              ("entropy", "entropy (nats/token, T = 1)", 3))
+             if any(f"completions/final/{AVERAGE}/{key}" in g.values for g in groups)]
+    if not stats:
+        return None
+    head = ["Objective", *(f"{label}, {when}" for _, label, _ in stats for when in ("RL start", "final"))]
+    return _table(head, "|---:" * (len(head) - 1), [
+        [g.group] + [fmt_pm(g.stat(f"completions/{when}/{AVERAGE}/{key}"), 1.0, digits)
+                     for key, _, digits in stats for when in ("before", "final")] for g in groups])
+
+
 def runs_table(records: Sequence[RunRecord], splits: Sequence[str]) -> str:
     metrics = records[0].metrics
     avg = AVERAGE if AVERAGE in splits else splits[-1]
@@ -263,8 +277,13 @@ def _markdown(records: Sequence[RunRecord], groups: Sequence[Group], splits: Seq
               f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
               table3(groups, splits, metrics[0], start), "",
               f"Final {m1} in %, mean ± std over seeds:", "", table3(groups, splits, metrics[1]), "",
-              *statistics, "## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), "",
-              "## Figures", ""]
+              *statistics, "## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), ""]
+    if (held_out := completions_table(groups)) is not None:
+        parts += ["## Held-out completions (mean ± std over seeds)", "", held_out, "",
+                  "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
+                  "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens.",
+                  ""]
+    parts += ["## Figures", ""]
     singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
     parts += [f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles]
     if singles:
