@@ -496,14 +496,17 @@ def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values()
 
     from trl import SFTConfig
 
-    from trustclip.train.config import LIBRARY, RL_RECIPE, SFT_RECIPE, RLArgs, SFTArgs
+    from trustclip.train.config import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
     from trustclip.trainers import TrustClipGRPOConfig
 
-    for section, library, recipe in ((SFTArgs, SFTConfig, SFT_RECIPE), (RLArgs, TrustClipGRPOConfig, RL_RECIPE)):
+    for section, library, recipe, rules in ((SFTArgs, SFTConfig, SFT_RECIPE, {}),
+                                            (RLArgs, TrustClipGRPOConfig, RL_RECIPE, RL_RULES)):
         declared = {f.name: f for f in dataclasses.fields(library)}
         built = section()
         for name, value in recipe.items():
-            assert dataclasses.fields(section)[list(recipe).index(name)].metadata == declared[name].metadata, name
+            rule = f" In trustclip train: {rules[name]}." if name in rules else ""
+            help_text = dataclasses.fields(section)[list(recipe).index(name)].metadata["help"]
+            assert help_text == declared[name].metadata["help"] + rule, name
             assert getattr(built, name) == (declared[name].default if value is LIBRARY else value), name
     rl = RLArgs()
     assert (rl.skip_zero_advantage, rl.truncated_reward, rl.objective_kwargs) == (True, 0.0, {"delta": 0.07})

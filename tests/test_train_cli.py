@@ -92,10 +92,10 @@ def test_overrides_and_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
-def test_every_recipe_loads_and_its_objective_is_valid(recipe):
-    from trustclip.train.checks import check_objective
+def test_every_recipe_loads_and_its_objective_is_valid(recipe, tmp_path):
+    from trustclip.train.stages import grpo_config
 
-    check_objective(load_config(recipe))
+    grpo_config(load_config(recipe), tmp_path)  # TrustClipGRPOConfig checks the objective and its hyper-parameters
 
 
 @pytest.mark.parametrize("recipe", PAPER_RECIPES, ids=[p.stem for p in PAPER_RECIPES])

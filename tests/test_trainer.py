@@ -512,8 +512,10 @@ def test_slices_used_before_the_next_update_are_not_scored(tiny, tmp_path):
     (0, 4, 2, 1, [True, True, False, False]),  # two optimizer steps per generation batch
     (0, 2, 2, 1, [True, True]),  # one optimizer step per generation batch: all on-policy (TRL scores none)
     (0, 2, 2, 2, [False, False]),  # each slice is used again after the update
-    (0, 4, 3, 1, [True, True, True, False]),  # the update after micro-step 2 comes before slice 3's use
-    (4, 4, 3, 1, [True, True, False, False]),  # generated at micro-step 4: slices 0, 1 (steps 4, 5) before the update
+    (0, 4, 3, 1, [False] * 4),  # windows straddle generation batches: transformers' per-epoch steps move them
+    (4, 4, 3, 1, [False] * 4),
+    (0, 6, 3, 1, [True, True, True, False, False, False]),  # two whole windows per generation batch
+    (12, 6, 3, 1, [True, True, True, False, False, False]),  # a later generation batch: the same schedule
     (0, 1, 1, 1, [True]),
 ])
 def test_on_policy_slices_follow_the_schedule(micro_step, spg, accumulation, iterations, on_policy):

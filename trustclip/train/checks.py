@@ -48,7 +48,6 @@ def check_run(config: TrainConfig) -> None:
         if "sft" in stages:
             _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
         if "rl" in stages:
-            check_objective(config, scratch)
             check_trl_kwargs(config)
             _trl_check(config, "rl", lambda: grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
@@ -189,17 +188,6 @@ def _check_filter(bench: Any, config: TrainConfig | None) -> None:
         select_rows(rows, bench)
     except ValueError as err:  # a DataFormatError too
         raise ValueError(f"data.eval: {err}") from None
-
-
-def check_objective(config: TrainConfig, scratch: str | None = None) -> None:
-    """The objective and its hyper-parameters, the aggregation and the advantage estimator, as `TrustClipGRPOConfig`
-    checks them (the rest of the rl section at TRL's defaults)."""
-    from trustclip.trainers import TrustClipGRPOConfig
-
-    r = config.rl
-    own = {"objective": r.objective, "objective_kwargs": r.objective_kwargs, "aggregation": r.aggregation,
-           "advantage_estimator": r.advantage_estimator}
-    _trl_check(config, "rl", lambda: TrustClipGRPOConfig(output_dir=scratch or tempfile.gettempdir(), **own))
 
 
 def check_trl_kwargs(config: TrainConfig) -> None:

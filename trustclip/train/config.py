@@ -157,18 +157,28 @@ RL_RECIPE = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosi
              "max_completion_length": 32, "beta": LIBRARY, "mask_truncated_completions": LIBRARY,
              "truncated_reward": 0.0, "skip_zero_advantage": True, "save_steps": 50, "save_total_limit": 2,
              "logging_steps": 1}
+# Where the pipeline takes less than the library allows (the sections' __post_init__ checks), `--help` says so after
+# the library's own help.
+RL_RULES = {"per_device_train_batch_size": "counts completions (prompts x num_generations)",
+            "objective": "a name (a recipe states it)", "aggregation": "a name (a recipe states it)",
+            "advantage_estimator": "a name (a recipe states it)",
+            "objective_kwargs": "a mapping ({}: the objective's own defaults)",
+            "max_grad_norm": "> 0 (it always clips)", "save_steps": "an integer >= 1",
+            "logging_steps": "an integer >= 1"}
 
 
-def library_fields(library: type, recipe: dict[str, Any]):
+def library_fields(library: type, recipe: dict[str, Any], rules: dict[str, str] | None = None):
     """Class decorator (under @dataclass): the section's first fields are `library`'s fields named in `recipe`, with
-    the library's help and type (taken strictly, as every section's) and the recipe's value as their default."""
+    the library's help (plus the pipeline's rule, from `rules`) and type (taken strictly, as every section's) and the
+    recipe's value as their default."""
 
     def wrap(cls: type) -> type:
         declared, hints = {f.name: f for f in dataclasses.fields(library)}, typing.get_type_hints(library)
         added = {}
         for name, value in recipe.items():
             own = declared[name].default if value is LIBRARY else value
-            setattr(cls, name, _f(own, declared[name].metadata["help"]))
+            rule = f" In trustclip train: {rules[name]}." if rules and name in rules else ""
+            setattr(cls, name, _f(own, declared[name].metadata["help"] + rule))
             added[name] = _strict(hints[name], declared[name].default)
         cls.__annotations__ = {**added, **cls.__dict__.get("__annotations__", {})}
         return cls
@@ -211,7 +221,7 @@ class SFTArgs:
 
 
 @dataclass
-@library_fields(TrustClipGRPOConfig, RL_RECIPE)
+@library_fields(TrustClipGRPOConfig, RL_RECIPE, RL_RULES)
 class RLArgs:
     __pydantic_config__ = STRICT
 

@@ -41,7 +41,11 @@ class StepCounts:
 
         TRL regenerates at multiples of steps_per_generation x num_iterations (or when its buffer is empty, on a
         resume) and uses slice `s % steps_per_generation` at micro-step s; the optimizer steps after every
-        `gradient_accumulation_steps` micro-steps."""
+        `gradient_accumulation_steps` micro-steps, counted from the start of each epoch, where a short last step
+        closes the epoch. Only an exact schedule (whole accumulation windows per generation batch) keeps the updates
+        at global multiples; otherwise every slice is scored, which is always right."""
+        if not self.exact:
+            return [False] * self.steps_per_generation
         next_generation = (micro_step // self.generate_every + 1) * self.generate_every
         next_update = (micro_step // self.accumulation + 1) * self.accumulation
         used_later = {s % self.steps_per_generation for s in range(next_update, next_generation)}

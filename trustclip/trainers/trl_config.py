@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,8 +151,8 @@ class TrustClipGRPOConfig(GRPOConfig):
                             ("full_kl_storage", FULL_KL_STORAGES), ("generation_dtype", (*GENERATION_DTYPES, None))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; valid: {', '.join(map(str, valid))}")
-        if self.truncated_reward is not None and not math.isfinite(self.truncated_reward):
-            raise ValueError(f"truncated_reward={self.truncated_reward} must be a finite number (or None)")
+        if self.truncated_reward is not None and not is_finite_number(self.truncated_reward):
+            raise ValueError(f"truncated_reward={self.truncated_reward!r} must be a finite number (or None)")
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
         if self.generation_dtype is not None and self.use_vllm:

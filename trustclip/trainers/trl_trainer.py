@@ -119,8 +119,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         skip = self.skip_zero_advantage and self.model.training
         full_kl = "full_kl" in self.objective.requires
-        # TRL's old-log-prob forward over the whole batch waits (`_score_old_logps`; truly_ppo's old pass, below)
-        # unless a reference model or vLLM's importance-sampling correction needs it before the rewards.
+        # TRL's old-log-prob forward over the whole batch waits (`_score_old_logps`; truly_ppo's old pass, below),
+        # except with beta > 0 (the placeholder would replace the reference model's forward too) or when vLLM's
+        # importance-sampling correction needs the old log-probs before the rewards.
         deferred = (self.model.training or full_kl) and self.args.beta == 0.0 and not (
             self.args.use_vllm and self.args.vllm_importance_sampling_correction)
         self._defer_old_logps = deferred
