@@ -14,9 +14,9 @@ Per configuration it prints the median seconds per optimizer step, split into ge
 optimizer), the ratio to float32, and peak RSS. Every configuration but the recipe scores every slice of a
 generation batch, as TRL does; the recipe's trainer skips the scoring forward of the slices used only before the next
 optimizer update (their ratio is exactly 1). Then the generation levers one by one (32 x L tokens: autocast, a
-merged bfloat16 copy, a static KV cache, half batches, the prompt's prefill share) and the bf16 log-prob error per
-token on real SmolLM2 completions (the trainer's path: autocast body, float32 LM head and log-softmax; and the
-bfloat16 sampling copy's).
+merged bfloat16 copy, a static KV cache, half batches, the evaluation's entropy recorder, the prompt's prefill
+share) and the bf16 log-prob error per token on real SmolLM2 completions (the trainer's path: autocast body, float32
+LM head and log-softmax; and the bfloat16 sampling copy's).
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ def generation_levers(recipe: str, threads: int, rounds: int) -> dict[str, float
     from peft import get_peft_model
 
     from trustclip.data import format_prompt
+    from trustclip.evaluation.generation import entropy_recorder
     from trustclip.precision import LowPrecisionCopy
     from trustclip.train.stages import load_policy, lora_config
 
@@ -161,6 +162,9 @@ def generation_levers(recipe: str, threads: int, rounds: int) -> dict[str, float
         "bf16 merged copy (refresh included)": lambda: sample(copy.refresh(policy)),
         "bf16 merged copy, static KV cache": lambda: sample(copy.refresh(policy), cache_implementation="static"),
         "bf16 merged copy, half batches": lambda: sample(copy.refresh(policy), batch=size // 2),
+        # the evaluation's per-step entropy (trustclip.evaluation.generation): one log-softmax of the logits a token
+        "bf16 merged copy + entropy recorder": lambda: sample(copy.refresh(policy),
+                                                             logits_processor=[entropy_recorder()]),
         "bf16 merged copy, prefill only (1 token)": lambda: sample(copy.refresh(policy), new_tokens=1),
     }
     sample(copy.refresh(policy), new_tokens=2)  # warm-up

@@ -904,6 +904,32 @@ def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, 
     assert table.splitlines()[2].startswith("| clip | n/a | 22.5 ± 3.5 | n/a | 0.550 ± 0.071 |")  # no before stats
 
 
+def test_findings_give_how_rl_moved_held_out_entropy_and_length(fake_env, monkeypatch):
+    """Where evaluations recorded completion stats, the Findings pair each run's final held-out entropy and length
+    with its own RL start; without them, no such sentence."""
+    from trustclip.compare.results import group_runs, load_run
+    from trustclip.compare.text import findings
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1, 2, 3, 4))
+    runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
+    args = (["s1", "s2", "average"], ["mean@2", "pass@2"], 10, 10, 5, "clip", [])
+    assert not any("held-out entropy" in line for line in findings(group_runs([load_run(s) for s in runs]), *args))
+    for spec in runs:
+        for when, entropy, length in (("before", 0.4, 20.0), ("after", 0.4 - 0.1 * (spec.seed + 1), 20.0 + spec.seed)):
+            path = spec.run_dir / "eval" / f"{when}.json"
+            data = json.loads(path.read_text())
+            stats = {"length": length, "entropy": entropy}
+            data["completion_stats"] = {"s1": stats, "s2": stats, "average": stats}
+            path.write_text(json.dumps(data))
+    text = findings(group_runs([load_run(s) for s in runs]), *args)
+    entropy = [line for line in text if "held-out entropy" in line]
+    length = [line for line in text if "held-out completion length" in line]
+    assert [line.split(",")[0] for line in entropy] == ["clip - RL start", "atr - RL start"]
+    assert entropy[0].startswith("clip - RL start, held-out entropy, Average (nats/token, T = 1): -0.300 nats [")
+    assert entropy[0].endswith("n = 5 paired seeds: lower than RL start.")  # every seed lower: -0.1 ... -0.5
+    assert length[1].startswith("atr - RL start, held-out completion length, Average (tokens): +2.0 tokens [")
+
+
 def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatch):
     """Every number of a run is one row (run, group, seed, outcome, value); a group's numbers are its pivot, `gain` is
     final - RL start once (the outcome, the per-split rows and the Findings' gain sentence agree), and results.csv

@@ -139,6 +139,14 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
         gain = paired_difference(g.values.get(f"gain/{avg}/{metrics[0]}", {}), dict.fromkeys(g.seeds, 0.0),
                                  group=g.group, ref="RL start", outcome="gain")
         out.append(difference_sentence(gain, f"held-out {title_of(avg)} Mean@{k}"))
+    for key in ("eval_entropy", "eval_length"):  # where the evaluations recorded them: how RL moved the completions
+        o, stat = OUTCOME[key], key.removeprefix("eval_")
+        for g in groups:
+            final, start = (g.values.get(f"completions/{when}/{avg}/{stat}", {}) for when in ("final", "before"))
+            if final:
+                change = paired_difference(final, start, group=g.group, ref="RL start", outcome=key)
+                out.append(difference_sentence(change, o.label.replace(", final", f", {title_of(avg)}"), o.scale,
+                                               o.unit, o.digits))
     swept: dict[str, list[Group]] = {}
     for g in groups:
         if g.sweep_key is not None:

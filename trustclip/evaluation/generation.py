@@ -20,7 +20,7 @@ class Sample(NamedTuple):
     entropy: float | None = None
 
 
-def _entropy_recorder():
+def entropy_recorder():
     """A logits processor that records each step's next-token entropy (nats) per row and passes the logits on.
     `generate` runs user processors before its temperature / top-p warpers, so it sees the raw logits."""
     import torch
@@ -79,7 +79,7 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
                 batch = jobs[start : start + config.batch_size]
                 enc = tokenizer([p for _, p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
                 enc = {k: v.to(device) for k, v in enc.items()}
-                recorder = _entropy_recorder()
+                recorder = entropy_recorder()
                 out = model.generate(**enc, **gen_kwargs, pad_token_id=tokenizer.pad_token_id,
                                      logits_processor=[recorder])
                 generated = out[:, enc["input_ids"].shape[1] :]
