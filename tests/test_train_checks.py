@@ -488,6 +488,15 @@ def test_trainer_configs_take_every_field_of_the_same_name():
     assert grpo_config(config, Path("unused")).entropy_coef == 0.01  # rl.trl_kwargs on top
 
 
+def test_a_help_rule_for_a_field_the_section_does_not_expose_is_refused():
+    """RL_RULES-style notes name recipe fields; a misspelt or stale name would otherwise never reach `--help`."""
+    from trustclip.train.config import library_fields
+    from trustclip.trainers import TrustClipGRPOConfig
+
+    with pytest.raises(TypeError, match="max_grad_nrom"):
+        library_fields(TrustClipGRPOConfig, {"max_grad_norm": 1.0}, {"max_grad_nrom": "> 0"})(type("Section", (), {}))
+
+
 def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values():
     """The sft / rl sections take each TRL / TrustClipGRPOConfig field they expose from the library (help and
     default); the embedded run's own values are SFT_RECIPE / RL_RECIPE, and a plain TrustClipGRPOConfig keeps the

@@ -157,8 +157,8 @@ RL_RECIPE = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosi
              "max_completion_length": 32, "beta": LIBRARY, "mask_truncated_completions": LIBRARY,
              "truncated_reward": 0.0, "skip_zero_advantage": True, "save_steps": 50, "save_total_limit": 2,
              "logging_steps": 1}
-# Where the pipeline takes less than the library allows (the sections' __post_init__ checks), `--help` says so after
-# the library's own help.
+# What trustclip train requires of a library field beyond the library's own rules (the sections' __post_init__
+# checks), or how it reads it: `--help` says so after the library's help.
 RL_RULES = {"per_device_train_batch_size": "counts completions (prompts x num_generations)",
             "objective": "a name (a recipe states it)", "aggregation": "a name (a recipe states it)",
             "advantage_estimator": "a name (a recipe states it)",
@@ -174,6 +174,8 @@ def library_fields(library: type, recipe: dict[str, Any], rules: dict[str, str] 
 
     def wrap(cls: type) -> type:
         declared, hints = {f.name: f for f in dataclasses.fields(library)}, typing.get_type_hints(library)
+        if unknown := set(rules or {}) - set(recipe):  # a rule for a field the section does not expose
+            raise TypeError(f"rules for fields not in the recipe: {sorted(unknown)}")
         added = {}
         for name, value in recipe.items():
             own = declared[name].default if value is LIBRARY else value
