@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import StrictFloat, StrictInt, StrictStr
 
+from trustclip.options import STRICT, option
 from trustclip.rewards import DEFAULT_TIMEOUT
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -20,18 +21,17 @@ class EvalArgs:
     embedded CPU run's), `trustclip eval` and `trustclip compare` read it from there.
     """
 
-    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}  # see trustclip.train.config.from_dict
+    __pydantic_config__ = STRICT
 
-    k: StrictInt = field(default=8, metadata={"help": "K of Mean@K / Pass@K."})
-    n_samples: StrictInt | None = field(default=None, metadata={"help": "Samples per problem (>= k); default k."})
-    temperature: StrictFloat = field(default=0.3, metadata={"help": "Sampling temperature (paper: 0.3)."})
-    top_p: StrictFloat = field(default=0.95, metadata={"help": "Sampling top-p (paper: 0.95)."})
-    max_new_tokens: StrictInt = field(default=32, metadata={"help": "Generation budget per completion (tokens)."})
-    batch_size: StrictInt = field(default=512, metadata={"help": "Sequences per generate call."})
-    seed: StrictInt = field(default=0, metadata={"help": "Sampling seed (the same before and after training)."})
-    backend: StrictStr = field(default="auto", metadata={"help": "trustclip eval: auto (vLLM when installed with a "
-                                                                 "GPU), hf or vllm; trustclip train evaluates the "
-                                                                 "model in memory with HF (auto or hf)."})
+    k: StrictInt = option(8, "K of Mean@K / Pass@K.")
+    n_samples: StrictInt | None = option(None, "Samples per problem (>= k); default k.")
+    temperature: StrictFloat = option(0.3, "Sampling temperature (paper: 0.3).")
+    top_p: StrictFloat = option(0.95, "Sampling top-p (paper: 0.95).")
+    max_new_tokens: StrictInt = option(32, "Generation budget per completion (tokens).")
+    batch_size: StrictInt = option(512, "Sequences per generate call.")
+    seed: StrictInt = option(0, "Sampling seed (the same before and after training).")
+    backend: StrictStr = option("auto", "trustclip eval: auto (vLLM when installed with a GPU), hf or vllm; trustclip "
+                                "train evaluates the model in memory with HF (auto or hf).")
 
     def __post_init__(self) -> None:
         for name in ("k", "max_new_tokens", "batch_size"):

@@ -33,6 +33,7 @@ from trl import SFTConfig
 
 from trustclip.evaluation.config import EvalArgs
 from trustclip.models import TinyModelConfig
+from trustclip.options import STRICT, option
 from trustclip.rewards import DEFAULT_TIMEOUT
 from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
@@ -43,32 +44,24 @@ STAGES = ("sft", "rl", "eval")
 RUN_CONTROL = ("output_dir", "resume", "quiet", "plots", "report_to")
 # TrainingArguments fields every stage takes from the top level of the config (train/stages.py: _trainer_args).
 RUN_WIDE = ("output_dir", "seed", "report_to", "bf16", "use_cpu")
-# Checked by pydantic in every section: unknown keys are errors, floats must be finite.
-STRICT = {"extra": "forbid", "allow_inf_nan": False}
-
-
-def _f(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002 - mirrors dataclasses' metadata["help"]
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
-    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 @dataclass
 class ModelArgs:
     __pydantic_config__ = STRICT
 
-    name_or_path: StrictStr = _f("builtin:tiny", "Hub id, local checkpoint, or `builtin:tiny` (cached tiny Qwen3).")
-    dtype: StrictStr = _f("auto", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
-    trust_remote_code: StrictBool = _f(False, "Passed to from_pretrained.")
+    name_or_path: StrictStr = option("builtin:tiny", "Hub id, local checkpoint, or `builtin:tiny` (cached tiny Qwen3).")
+    dtype: StrictStr = option("auto", "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16.")
+    trust_remote_code: StrictBool = option(False, "Passed to from_pretrained.")
     # builtin:tiny's own layer count, stated (a run's config records it; compare fingerprints hash it)
-    tiny: dict[str, Any] = _f({"num_layers": TinyModelConfig.num_layers}, "Shape of builtin:tiny (build_tiny_model "
-                              "kwargs, e.g. {hidden_size: 128}; unset keys: builtin:tiny's own shape); each shape is "
-                              "built once and cached.")
-    lora: StrictBool = _f(False, "Train a LoRA adapter (peft) instead of all weights, in SFT and RL.")
-    lora_r: StrictInt = _f(32, "LoRA rank.")
-    lora_alpha: StrictInt = _f(64, "LoRA alpha.")
-    lora_dropout: StrictFloat = _f(0.0, "LoRA dropout.")
-    lora_target_modules: list[StrictStr] = _f(
+    tiny: dict[str, Any] = option({"num_layers": TinyModelConfig.num_layers}, "Shape of builtin:tiny "
+                                  "(build_tiny_model kwargs, e.g. {hidden_size: 128}; unset keys: builtin:tiny's own "
+                                  "shape); each shape is built once and cached.")
+    lora: StrictBool = option(False, "Train a LoRA adapter (peft) instead of all weights, in SFT and RL.")
+    lora_r: StrictInt = option(32, "LoRA rank.")
+    lora_alpha: StrictInt = option(64, "LoRA alpha.")
+    lora_dropout: StrictFloat = option(0.0, "LoRA dropout.")
+    lora_target_modules: list[StrictStr] = option(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Modules given adapters."
     )
 
@@ -85,30 +78,33 @@ class ModelArgs:
 class DataArgs:
     __pydantic_config__ = STRICT
 
-    train: StrictStr = _f("builtin:train", "RL prompts: JSONL/JSON/parquet file, hub dataset id, or builtin:<split>.")
-    train_split: StrictStr = _f("train", "Split of a hub training dataset.")
-    train_subset: StrictStr | None = _f(None, "Subset (config name) of a hub training dataset.")
-    train_limit: StrictInt | None = _f(None, "Keep only the first N training prompts.")
-    problem_key: StrictStr = _f("problem", "Field holding the problem text.")
-    answer_key: StrictStr = _f("answer", "Field holding the reference answer.")
-    answer_fallback: StrictBool = _f(False, "Score a completion without a \\boxed{} answer by its last `Answer:` line "
-                                     "or last number (RL reward and eval). Off: the boxed answer the prompt asks for "
-                                     "is required, so RL cannot learn to drop the format and be scored on a bare "
-                                     "number.")
-    eval: list[StrictStr] = _f(["builtin"], "Held-out benchmarks: NAME=SOURCE specs, or `builtin` (the synthetic "
-                               "splits).")
-    eval_split: StrictStr = _f("train", "Split of hub benchmark datasets.")
-    eval_limit: StrictInt | None = _f(None, "Keep only the first N problems of each benchmark.")
-    prompt_style: StrictStr = _f("auto", "Prompt template: auto, math, tiny, raw, or a template containing {problem}.")
-    system_prompt: StrictStr | None = _f(None, "System prompt of every prompt (SFT, RL and evaluation alike). null: "
-                                         "the chat template's own default (SmolLM2's names the model, 16 tokens); "
-                                         "\"\": an empty system turn, the shortest prompt.")
-    seed: StrictInt = _f(0, "Seed of the built-in synthetic task.")
-    builtin_train_levels: list[StrictInt] = _f([2, 3, 4], "Levels of the built-in task's train split (1-4).")
-    builtin_n_train: StrictInt = _f(2000, "Problems in the built-in train split (the RL pool; SFT takes its first "
-                                    "sft.limit).")
-    builtin_n_eval: StrictInt = _f(64, "Problems in each built-in held-out split.")
-    builtin_max_operand: StrictInt | None = _f(9, "Largest operand of the built-in task (null: the task's own, 99).")
+    train: StrictStr = option("builtin:train", "RL prompts: JSONL/JSON/parquet file, hub dataset id, or "
+                              "builtin:<split>.")
+    train_split: StrictStr = option("train", "Split of a hub training dataset.")
+    train_subset: StrictStr | None = option(None, "Subset (config name) of a hub training dataset.")
+    train_limit: StrictInt | None = option(None, "Keep only the first N training prompts.")
+    problem_key: StrictStr = option("problem", "Field holding the problem text.")
+    answer_key: StrictStr = option("answer", "Field holding the reference answer.")
+    answer_fallback: StrictBool = option(False, "Score a completion without a \\boxed{} answer by its last `Answer:` "
+                                         "line or last number (RL reward and eval). Off: the boxed answer the prompt "
+                                         "asks for is required, so RL cannot learn to drop the format and be scored "
+                                         "on a bare number.")
+    eval: list[StrictStr] = option(["builtin"], "Held-out benchmarks: NAME=SOURCE specs, or `builtin` (the synthetic "
+                                   "splits).")
+    eval_split: StrictStr = option("train", "Split of hub benchmark datasets.")
+    eval_limit: StrictInt | None = option(None, "Keep only the first N problems of each benchmark.")
+    prompt_style: StrictStr = option("auto", "Prompt template: auto, math, tiny, raw, or a template containing "
+                                     "{problem}.")
+    system_prompt: StrictStr | None = option(None, "System prompt of every prompt (SFT, RL and evaluation alike). "
+                                             "null: the chat template's own default (SmolLM2's names the model, 16 "
+                                             "tokens); \"\": an empty system turn, the shortest prompt.")
+    seed: StrictInt = option(0, "Seed of the built-in synthetic task.")
+    builtin_train_levels: list[StrictInt] = option([2, 3, 4], "Levels of the built-in task's train split (1-4).")
+    builtin_n_train: StrictInt = option(2000, "Problems in the built-in train split (the RL pool; SFT takes its first "
+                                        "sft.limit).")
+    builtin_n_eval: StrictInt = option(64, "Problems in each built-in held-out split.")
+    builtin_max_operand: StrictInt | None = option(9, "Largest operand of the built-in task (null: the task's own, "
+                                                   "99).")
 
     def __post_init__(self) -> None:
         from trustclip.data.synthetic import LEVELS
@@ -180,7 +176,7 @@ def library_fields(library: type, recipe: dict[str, Any], rules: dict[str, str] 
         for name, value in recipe.items():
             own = declared[name].default if value is LIBRARY else value
             rule = f" In trustclip train: {rules[name]}." if rules and name in rules else ""
-            setattr(cls, name, _f(own, declared[name].metadata["help"] + rule))
+            setattr(cls, name, option(own, declared[name].metadata["help"] + rule))
             added[name] = _strict(hints[name], declared[name].default)
         cls.__annotations__ = {**added, **cls.__dict__.get("__annotations__", {})}
         return cls
@@ -207,14 +203,14 @@ def _strict(hint: Any, default: Any) -> Any:
 class SFTArgs:
     __pydantic_config__ = STRICT
 
-    data: StrictStr | None = _f(None, "SFT rows (with worked solutions); default: the RL training source.")
-    split: StrictStr = _f("train", "Split of a hub SFT dataset.")
-    subset: StrictStr | None = _f(None, "Subset of a hub SFT dataset.")
-    solution_key: StrictStr = _f("solution", "Field holding the worked solution (the SFT target).")
-    problem_key: StrictStr | None = _f(None, "Problem field of the SFT rows (default: data.problem_key).")
-    answer_key: StrictStr | None = _f(None, "Answer field of the SFT rows (default: data.answer_key).")
-    limit: StrictInt | None = _f(400, "Keep only the first N SFT rows (null: all). SFT is for the format: it sees a "
-                                 "small part of the pool, RL the whole of it.")
+    data: StrictStr | None = option(None, "SFT rows (with worked solutions); default: the RL training source.")
+    split: StrictStr = option("train", "Split of a hub SFT dataset.")
+    subset: StrictStr | None = option(None, "Subset of a hub SFT dataset.")
+    solution_key: StrictStr = option("solution", "Field holding the worked solution (the SFT target).")
+    problem_key: StrictStr | None = option(None, "Problem field of the SFT rows (default: data.problem_key).")
+    answer_key: StrictStr | None = option(None, "Answer field of the SFT rows (default: data.answer_key).")
+    limit: StrictInt | None = option(400, "Keep only the first N SFT rows (null: all). SFT is for the format: it sees "
+                                     "a small part of the pool, RL the whole of it.")
 
     def __post_init__(self) -> None:
         _check_optimizer(self, "sft")
@@ -227,11 +223,11 @@ class SFTArgs:
 class RLArgs:
     __pydantic_config__ = STRICT
 
-    reward_timeout: StrictFloat = _f(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the RL "
-                                     "reward and the evaluation.")
-    eval_every: StrictInt = _f(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
-    trl_kwargs: dict[str, Any] = _f({}, "Extra GRPOConfig fields, e.g. {entropy_coef: 0.001, "
-                                    "top_entropy_quantile: 0.2}.")
+    reward_timeout: StrictFloat = option(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the "
+                                         "RL reward and the evaluation.")
+    eval_every: StrictInt = option(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
+    trl_kwargs: dict[str, Any] = option({}, "Extra GRPOConfig fields, e.g. {entropy_coef: 0.001, "
+                                        "top_entropy_quantile: 0.2}.")
 
     def __post_init__(self) -> None:
         _check_optimizer(self, "rl")
@@ -262,18 +258,19 @@ class RLArgs:
 class TrainConfig:
     __pydantic_config__ = STRICT
 
-    output_dir: StrictStr = _f("runs/default", "Where checkpoints, metrics.jsonl, plots and summary.json go.")
-    stages: list[StrictStr] = _f(list(STAGES), "Stages to run, in order: sft, rl, eval.")
-    seed: StrictInt = _f(0, "Training seed.")
-    bf16: StrictBool | None = _f(None, "Mixed precision (TrainingArguments' bf16) in SFT, RL and evaluation: bfloat16 "
-                                 "autocast over float32 weights, with the LM head, log-probs and ratio in float32. "
-                                 "null: on with a bfloat16 GPU, off on CPU; true on a CPU without bfloat16 "
-                                 "instructions is an error.")
-    report_to: list[StrictStr] = _f(["tensorboard"], "Trainer logging integrations (tensorboard, wandb, none, ...).")
-    resume: StrictBool = _f(False, "Continue the interrupted run in output_dir from its last checkpoint, with its "
-                            "settings (config.yaml).")
-    plots: StrictBool = _f(True, "Write PNG training curves at the end.")
-    quiet: StrictBool = _f(False, "Print only the final table (no progress lines).")
+    output_dir: StrictStr = option("runs/default", "Where checkpoints, metrics.jsonl, plots and summary.json go.")
+    stages: list[StrictStr] = option(list(STAGES), "Stages to run, in order: sft, rl, eval.")
+    seed: StrictInt = option(0, "Training seed.")
+    bf16: StrictBool | None = option(None, "Mixed precision (TrainingArguments' bf16) in SFT, RL and evaluation: "
+                                     "bfloat16 autocast over float32 weights, with the LM head, log-probs and ratio "
+                                     "in float32. null: on with a bfloat16 GPU, off on CPU; true on a CPU without "
+                                     "bfloat16 instructions is an error.")
+    report_to: list[StrictStr] = option(["tensorboard"], "Trainer logging integrations (tensorboard, wandb, none, "
+                                        "...).")
+    resume: StrictBool = option(False, "Continue the interrupted run in output_dir from its last checkpoint, with its "
+                                "settings (config.yaml).")
+    plots: StrictBool = option(True, "Write PNG training curves at the end.")
+    quiet: StrictBool = option(False, "Print only the final table (no progress lines).")
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataArgs = field(default_factory=DataArgs)
     sft: SFTArgs = field(default_factory=SFTArgs)

@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig
@@ -14,6 +13,7 @@ from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objecti
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.registry import is_finite_number
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
+from trustclip.options import option
 from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
 from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
 from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
@@ -26,10 +26,6 @@ FULL_KL_STORAGES = ("hidden", "topk")
 GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _field(default: Any, help: str) -> Any:  # noqa: A002 - dataclasses' metadata["help"], as TRL's configs
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
     r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options
@@ -40,28 +36,28 @@ class TrustClipGRPOConfig(GRPOConfig):
     `help` (as TRL's configs, for `HfArgumentParser` and `trustclip train --help`).
     """
 
-    objective: str | None = _field(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
+    objective: str | None = option(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
                                    "clip_higher, dual_clip, dcpo, sapo, clip_cov, gspo, ...); unset: the one TRL's "
                                    "loss options spell, else kl3. atr_adaptive moves its delta once per generation "
                                    "batch and needs each optimizer step inside one generation batch "
                                    "(steps_per_generation x num_iterations a multiple of gradient_accumulation_steps; "
                                    "TRL's defaults are).")
-    objective_kwargs: dict | str | None = _field(None, "Hyper-parameters of the objective (a dict, or a JSON string), "
+    objective_kwargs: dict | str | None = option(None, "Hyper-parameters of the objective (a dict, or a JSON string), "
                                                  "e.g. {\"delta\": 0.07}; unset: the objective's own defaults.")
-    aggregation: str | None = _field(None, "dr_grpo (sum / (B * L_max), Dr.GRPO), token_mean (DAPO), "
+    aggregation: str | None = option(None, "dr_grpo (sum / (B * L_max), Dr.GRPO), token_mean (DAPO), "
                                      "seq_mean_token_mean (GRPO) or seq_mean_token_sum; unset: the one of TRL's "
                                      "loss_type if given, else dr_grpo.")
-    advantage_estimator: str | None = _field(None, "dr_grpo (R - group mean), grpo (group-standardised, TRL's "
+    advantage_estimator: str | None = option(None, "dr_grpo (R - group mean), grpo (group-standardised, TRL's "
                                              "scale_rewards='group') or rloo (leave-one-out baseline); unset: the one "
                                              "of TRL's scale_rewards if given, else dr_grpo.")
-    max_len_normalizer: int | None = _field(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
-    truncated_reward: float | None = _field(None, "Reward of a completion that hit max_completion_length without an "
+    max_len_normalizer: int | None = option(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
+    truncated_reward: float | None = option(None, "Reward of a completion that hit max_completion_length without an "
                                             "EOS (every reward function's score of it is replaced). 0.0 makes an "
                                             "unfinished answer a wrong one, so the policy cannot drift into never "
                                             "stopping after its answer; unlike mask_truncated_completions (DAPO's "
                                             "overlong filtering) such completions still get a (negative) gradient. "
                                             "Unset: score them as they are.")
-    skip_zero_advantage: bool = _field(False, "Leave completions whose advantage is exactly 0 out of the policy "
+    skip_zero_advantage: bool = option(False, "Leave completions whose advantage is exactly 0 out of the policy "
                                        "update: with a binary reward, every group whose rewards all agree (the filter "
                                        "of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11, without its "
                                        "re-sampling). They carry no policy gradient, so the update direction is "
@@ -71,18 +67,18 @@ class TrustClipGRPOConfig(GRPOConfig):
                                        "entropy, clip fractions and ratios describe them too. To keep more "
                                        "informative groups per update, raise the generation batch (prompts per step "
                                        "or steps_per_generation).")
-    full_kl_storage: str = _field("hidden", "What objectives that need the full-vocabulary KL(pi_old || pi) "
+    full_kl_storage: str = option("hidden", "What objectives that need the full-vocabulary KL(pi_old || pi) "
                                   "(truly_ppo) keep of pi_old per completion token, instead of its whole log-softmax "
                                   "(4 V bytes per token). 'hidden': the final hidden state (the LM head's input, 4 H "
                                   "bytes; plus one frozen copy of the head per generation batch when the head "
-                                  "trains), from which pi_old's logits are recomputed chunk by chunk: the KL is exact. "
-                                  "'topk': the full_kl_topk largest log-probs plus the tail mass (8 k + 4 bytes), and "
-                                  "the KL of the coarse-grained distributions: a lower bound, low by the tail mass "
-                                  "times the KL within the tail (trustclip.objectives.topk_kl); the smaller when H is "
-                                  "large and completions long.")
-    full_kl_topk: int = _field(DEFAULT_TOPK, "k of full_kl_storage='topk'; k >= V - 1 keeps the whole distribution "
+                                  "trains), from which pi_old's logits are recomputed chunk by chunk: the KL is "
+                                  "exact. 'topk': the full_kl_topk largest log-probs plus the tail mass (8 k + 4 "
+                                  "bytes), and the KL of the coarse-grained distributions: a lower bound, low by the "
+                                  "tail mass times the KL within the tail (trustclip.objectives.topk_kl); the smaller "
+                                  "when H is large and completions long.")
+    full_kl_topk: int = option(DEFAULT_TOPK, "k of full_kl_storage='topk'; k >= V - 1 keeps the whole distribution "
                                "(exact).")
-    generation_dtype: str | None = _field(None, "Sample completions from a copy of the policy in this dtype "
+    generation_dtype: str | None = option(None, "Sample completions from a copy of the policy in this dtype "
                                           "(bfloat16, float16 or float32), its LoRA adapter merged, refreshed from "
                                           "the policy before each generation (trustclip.precision.LowPrecisionCopy). "
                                           "The log-probs of the update (old and new) still come from the policy, so "
@@ -90,17 +86,17 @@ class TrustClipGRPOConfig(GRPOConfig):
                                           "vLLM does. Pays on CPU (benchmarks/real_model_step.py). Unset: TRL's "
                                           "generation from the policy itself.")
     # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
-    loss_type: str | None = _field(None, _TRL_LOSS_HELP)
-    epsilon: float | None = _field(None, _TRL_LOSS_HELP)
-    epsilon_high: float | None = _field(None, _TRL_LOSS_HELP)
-    delta: float | None = _field(None, _TRL_LOSS_HELP)
-    sapo_temperature_pos: float | None = _field(None, _TRL_LOSS_HELP)
-    sapo_temperature_neg: float | None = _field(None, _TRL_LOSS_HELP)
-    vespo_k_pos: float | None = _field(None, _TRL_LOSS_HELP)
-    vespo_lambda_pos: float | None = _field(None, _TRL_LOSS_HELP)
-    vespo_k_neg: float | None = _field(None, _TRL_LOSS_HELP)
-    vespo_lambda_neg: float | None = _field(None, _TRL_LOSS_HELP)
-    scale_rewards: str | bool | None = _field(None, "TRL's reward scaling: unset, the one advantage_estimator needs; "
+    loss_type: str | None = option(None, _TRL_LOSS_HELP)
+    epsilon: float | None = option(None, _TRL_LOSS_HELP)
+    epsilon_high: float | None = option(None, _TRL_LOSS_HELP)
+    delta: float | None = option(None, _TRL_LOSS_HELP)
+    sapo_temperature_pos: float | None = option(None, _TRL_LOSS_HELP)
+    sapo_temperature_neg: float | None = option(None, _TRL_LOSS_HELP)
+    vespo_k_pos: float | None = option(None, _TRL_LOSS_HELP)
+    vespo_lambda_pos: float | None = option(None, _TRL_LOSS_HELP)
+    vespo_k_neg: float | None = option(None, _TRL_LOSS_HELP)
+    vespo_lambda_neg: float | None = option(None, _TRL_LOSS_HELP)
+    scale_rewards: str | bool | None = option(None, "TRL's reward scaling: unset, the one advantage_estimator needs; "
                                               "given, it chooses the advantage estimator.")
 
     def __post_init__(self) -> None:
@@ -185,12 +181,12 @@ class TrustClipGRPOConfig(GRPOConfig):
         if clash:
             raise ValueError(f"{loss} and objective_kwargs={self.objective_kwargs} set {', '.join(clash)} to two "
                              f"values {list(clash.values())}; give each once, in objective_kwargs")
-        for name, option, value in (("aggregation", "loss_type", trl.aggregation),
+        for name, flag, value in (("aggregation", "loss_type", trl.aggregation),
                                     ("advantage_estimator", "scale_rewards", trl.advantage_estimator)):
             mine = getattr(self, name)
             if value is not None and mine is not None and mine != value:
-                raise ValueError(f"{option}={getattr(self, option)!r} is {name}={value!r} in trustclip, but "
-                                 f"{name}={mine!r} is given; drop {option} and keep {name}")
+                raise ValueError(f"{flag}={getattr(self, flag)!r} is {name}={value!r} in trustclip, but "
+                                 f"{name}={mine!r} is given; drop {flag} and keep {name}")
         self.objective = self.objective or trl.objective or "kl3"
         self.objective_kwargs = trl.objective_kwargs | self.objective_kwargs
         self.aggregation = self.aggregation or trl.aggregation or "dr_grpo"
@@ -229,11 +225,11 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
     if args.entropy_coef_min > args.entropy_coef_max:
         raise ValueError(f"entropy_coef_min={args.entropy_coef_min!r} is above entropy_coef_max="
                          f"{args.entropy_coef_max!r}")
-    for option, module, package in (("use_vllm", "vllm", "vllm"), ("use_liger_kernel", "liger_kernel",
+    for flag, module, package in (("use_vllm", "vllm", "vllm"), ("use_liger_kernel", "liger_kernel",
                                                                     "liger-kernel")):
-        if getattr(args, option, False) and importlib.util.find_spec(module) is None:
-            raise ValueError(f"{option}=True needs the {module} package, which is not installed: pip install "
-                             f"{package}, or set {option}=False")
+        if getattr(args, flag, False) and importlib.util.find_spec(module) is None:
+            raise ValueError(f"{flag}=True needs the {module} package, which is not installed: pip install "
+                             f"{package}, or set {flag}=False")
     if args.use_vllm and args.vllm_mode == "colocate" and not torch.cuda.is_available():
         raise ValueError("use_vllm=True with vllm_mode='colocate' needs a CUDA GPU, and this machine has none; set "
                          "use_vllm=False (or vllm_mode='server' with a vLLM server)")

@@ -1,0 +1,17 @@
+"""The one way settings are declared (train sections, eval settings, TrustClipGRPOConfig): a dataclass field with its
+help in `metadata["help"]`, as TRL's configs, which `--help` prints and recipes document."""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+# Checked by pydantic in every section (`trustclip.train.config.from_dict`): unknown keys are errors, floats finite.
+STRICT = {"extra": "forbid", "allow_inf_nan": False}
+
+
+def option(default: Any, help: str) -> Any:  # noqa: A002 - dataclasses' metadata["help"], as TRL's configs
+    """A field with `default` (a list or dict is copied for each instance) and its `help`."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
