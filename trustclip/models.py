@@ -291,6 +291,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | N
     The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads
     correctly. `dtype` is passed to `from_pretrained` (e.g. `torch.bfloat16` or `"auto"`).
     """
+    from huggingface_hub import is_offline_mode
     from transformers import AutoModelForCausalLM
 
     name_or_path = resolve_model_name(name_or_path)
@@ -303,7 +304,7 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | N
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **model_kwargs)
     except OSError as err:
-        hint = " (HF_HUB_OFFLINE is set: only local paths and cached hub models load)" if _offline() else ""
+        hint = " (HF_HUB_OFFLINE is set: only local paths and cached hub models load)" if is_offline_mode() else ""
         raise OSError(f"could not load model {str(name_or_path)!r}{hint}: {err}") from err
     gen = model.generation_config
     gen.pad_token_id = tokenizer.pad_token_id
@@ -324,7 +325,3 @@ def resolve_model_name(name_or_path: str | os.PathLike) -> str:
     if name in GGUF_MODELS:
         return str(build_gguf_model(name))
     return name
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}

@@ -292,12 +292,12 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _load_hub(name: str, split: str, subset: str | None, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
     import datasets
+    from huggingface_hub import is_offline_mode
 
     try:
         ds = datasets.load_dataset(name, subset, split=split)
     except Exception as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
-        hint = " (HF_HUB_OFFLINE is set: only locally cached datasets load)" if offline else ""
+        hint = " (HF_HUB_OFFLINE is set: only locally cached datasets load)" if is_offline_mode() else ""
         raise DataFormatError(f"cannot load hub dataset {name!r} split {split!r}{hint}: {err}") from err
     rows = [_normalize(rec, f"{name}[{split}] row {i}", keys, default_id=f"{i}") for i, rec in enumerate(ds)]
     if not rows:

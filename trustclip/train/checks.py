@@ -118,12 +118,11 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
     if _looks_local(name):
         raise FileNotFoundError(f"{option}={name!r}: no such folder")
     _check_hub_id(name, option, "model")
-    if _offline():
-        from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-            raise FileNotFoundError(f"{option}={name!r}: no such local folder, and not in the hub cache "
-                                    "(HF_HUB_OFFLINE is set, so nothing is downloaded)")
+    if is_offline_mode() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise FileNotFoundError(f"{option}={name!r}: no such local folder, and not in the hub cache (HF_HUB_OFFLINE "
+                                "is set, so nothing is downloaded)")
 
 
 def check_source(source: str, option: str) -> None:
@@ -308,10 +307,6 @@ def _check_hub_id(name: str, option: str, kind: str) -> None:
 def _looks_local(name: str) -> bool:
     """A path rather than a hub id: relative / absolute / home paths, or more than one '/'."""
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
-
-
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
 
 
 def _need(module: str, why: str) -> None:
