@@ -1,5 +1,5 @@
 """The one way settings are declared (train sections, eval settings, TrustClipGRPOConfig): a dataclass field with its
-help in `metadata["help"]`, as TRL's configs, which `--help` prints and recipes document."""
+help in `metadata["help"]`, as TRL's configs, which `--help` prints and recipes document; and checked (`check`)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,9 @@ def option(default: Any, help: str) -> Any:  # noqa: A002 - dataclasses' metadat
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
+
+
+def check(ok: bool, name: str, value: Any, rule: str) -> None:
+    """ValueError `name=value is invalid: must be rule` unless `ok`."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: must be {rule}")

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import StrictFloat, StrictInt, StrictStr
 
-from trustclip.options import STRICT, option
+from trustclip.options import STRICT, check, option
 from trustclip.rewards import DEFAULT_TIMEOUT
 
 BACKENDS = ("auto", "hf", "vllm")
@@ -35,16 +35,12 @@ class EvalArgs:
 
     def __post_init__(self) -> None:
         for name in ("k", "max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}={getattr(self, name)!r} is invalid: must be an integer >= 1")
-        if self.n_samples is not None and self.n_samples < self.k:
-            raise ValueError(f"eval.n_samples={self.n_samples!r} is invalid: must be >= eval.k ({self.k})")
-        if not self.temperature >= 0:
-            raise ValueError(f"eval.temperature={self.temperature!r} is invalid: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"eval.top_p={self.top_p!r} is invalid: must be in (0, 1]")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"eval.backend={self.backend!r} is invalid: must be one of {', '.join(BACKENDS)}")
+            check(not getattr(self, name) < 1, f"eval.{name}", getattr(self, name), "an integer >= 1")
+        check(self.n_samples is None or not self.n_samples < self.k, "eval.n_samples", self.n_samples,
+              f">= eval.k ({self.k})")
+        check(self.temperature >= 0, "eval.temperature", self.temperature, ">= 0")
+        check(0 < self.top_p <= 1, "eval.top_p", self.top_p, "in (0, 1]")
+        check(self.backend in BACKENDS, "eval.backend", self.backend, f"one of {', '.join(BACKENDS)}")
 
     @property
     def n(self) -> int:
@@ -69,7 +65,5 @@ class EvalConfig(EvalArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} is invalid: must be >= 0 (or None)")
-        if not self.reward_timeout > 0:
-            raise ValueError(f"reward_timeout={self.reward_timeout!r} is invalid: must be > 0 seconds")
+        check(self.top_k is None or not self.top_k < 0, "top_k", self.top_k, ">= 0 (or None)")
+        check(self.reward_timeout > 0, "reward_timeout", self.reward_timeout, "> 0 seconds")

@@ -33,7 +33,7 @@ from trl import SFTConfig
 
 from trustclip.evaluation.config import EvalArgs
 from trustclip.models import TinyModelConfig
-from trustclip.options import STRICT, option
+from trustclip.options import STRICT, check, option
 from trustclip.rewards import DEFAULT_TIMEOUT
 from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
@@ -66,12 +66,12 @@ class ModelArgs:
     )
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+        check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype", self.dtype,
                "auto, float32, bfloat16 or float16")
-        _check(self.lora_r >= 1, "model.lora_r", self.lora_r, ">= 1")
-        _check(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "> 0")
-        _check(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "in [0, 1)")
-        _check(bool(self.lora_target_modules), "model.lora_target_modules", self.lora_target_modules, "non-empty")
+        check(self.lora_r >= 1, "model.lora_r", self.lora_r, ">= 1")
+        check(self.lora_alpha > 0, "model.lora_alpha", self.lora_alpha, "> 0")
+        check(0 <= self.lora_dropout < 1, "model.lora_dropout", self.lora_dropout, "in [0, 1)")
+        check(bool(self.lora_target_modules), "model.lora_target_modules", self.lora_target_modules, "non-empty")
 
 
 @dataclass
@@ -111,14 +111,14 @@ class DataArgs:
         from trustclip.data.templates import resolve_template
 
         _positive(self, "data", ("builtin_n_train", "builtin_n_eval"))
-        _check(self.builtin_max_operand is None or self.builtin_max_operand >= 9, "data.builtin_max_operand",
+        check(self.builtin_max_operand is None or self.builtin_max_operand >= 9, "data.builtin_max_operand",
                self.builtin_max_operand, ">= 9 (or null)")
-        _check(bool(self.builtin_train_levels) and set(self.builtin_train_levels) <= set(LEVELS),
+        check(bool(self.builtin_train_levels) and set(self.builtin_train_levels) <= set(LEVELS),
                "data.builtin_train_levels", self.builtin_train_levels, f"a non-empty list of levels {sorted(LEVELS)}")
         for name in ("train_limit", "eval_limit"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"data.{name}", value, ">= 1 (or null)")
-        _check(bool(self.eval), "data.eval", self.eval, "at least one benchmark")
+            check(value is None or value >= 1, f"data.{name}", value, ">= 1 (or null)")
+        check(bool(self.eval), "data.eval", self.eval, "at least one benchmark")
         try:
             resolve_template(self.prompt_style)
         except ValueError as err:
@@ -127,9 +127,9 @@ class DataArgs:
 
 def _check_optimizer(section: Any, name: str) -> None:
     _positive(section, name, ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps"))
-    _check(section.learning_rate > 0, f"{name}.learning_rate", section.learning_rate, "> 0")
-    _check(section.warmup_steps >= 0, f"{name}.warmup_steps", section.warmup_steps, ">= 0")
-    _check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
+    check(section.learning_rate > 0, f"{name}.learning_rate", section.learning_rate, "> 0")
+    check(section.warmup_steps >= 0, f"{name}.warmup_steps", section.warmup_steps, ">= 0")
+    check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
 
 # The embedded run's recipe for the library fields the sft and rl sections expose. Each of these fields is declared
@@ -214,8 +214,8 @@ class SFTArgs:
 
     def __post_init__(self) -> None:
         _check_optimizer(self, "sft")
-        _check(self.limit is None or self.limit >= 1, "sft.limit", self.limit, ">= 1 (or null)")
-        _check(self.max_length is None or self.max_length >= 1, "sft.max_length", self.max_length, ">= 1 (or null)")
+        check(self.limit is None or self.limit >= 1, "sft.limit", self.limit, ">= 1 (or null)")
+        check(self.max_length is None or self.max_length >= 1, "sft.max_length", self.max_length, ">= 1 (or null)")
 
 
 @dataclass
@@ -234,23 +234,23 @@ class RLArgs:
         _positive(self, "rl", ("num_generations", "num_iterations", "max_completion_length", "save_steps",
                                "logging_steps"))
         for name in ("objective", "aggregation", "advantage_estimator"):  # the library's None: a recipe names them
-            _check(isinstance(getattr(self, name), str), f"rl.{name}", getattr(self, name), "a name")
-        _check(isinstance(self.objective_kwargs, dict), "rl.objective_kwargs", self.objective_kwargs, "a mapping")
-        _check(self.temperature > 0, "rl.temperature", self.temperature, "> 0")
-        _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "in (0, 1]")
-        _check(self.top_k >= 0, "rl.top_k", self.top_k, ">= 0 (0 = off)")
-        _check(self.max_grad_norm > 0, "rl.max_grad_norm", self.max_grad_norm, "> 0")
-        _check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
-        _check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
-        _check(self.num_generations >= 2, "rl.num_generations", self.num_generations, ">= 2 (a group needs a baseline)")
-        _check(self.steps_per_generation is None or self.steps_per_generation >= 1, "rl.steps_per_generation",
+            check(isinstance(getattr(self, name), str), f"rl.{name}", getattr(self, name), "a name")
+        check(isinstance(self.objective_kwargs, dict), "rl.objective_kwargs", self.objective_kwargs, "a mapping")
+        check(self.temperature > 0, "rl.temperature", self.temperature, "> 0")
+        check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "in (0, 1]")
+        check(self.top_k >= 0, "rl.top_k", self.top_k, ">= 0 (0 = off)")
+        check(self.max_grad_norm > 0, "rl.max_grad_norm", self.max_grad_norm, "> 0")
+        check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
+        check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
+        check(self.num_generations >= 2, "rl.num_generations", self.num_generations, ">= 2 (a group needs a baseline)")
+        check(self.steps_per_generation is None or self.steps_per_generation >= 1, "rl.steps_per_generation",
                self.steps_per_generation, ">= 1 (or null)")
-        _check(self.save_total_limit is None or self.save_total_limit >= 1, "rl.save_total_limit",
+        check(self.save_total_limit is None or self.save_total_limit >= 1, "rl.save_total_limit",
                self.save_total_limit, ">= 1 (or null)")
         own = sorted(set(self.trl_kwargs) & {f.name for f in dataclasses.fields(self)})
-        _check(not own, "rl.trl_kwargs", self.trl_kwargs, f"free of rl options ({', '.join(own)}: set rl.<name>)")
+        check(not own, "rl.trl_kwargs", self.trl_kwargs, f"free of rl options ({', '.join(own)}: set rl.<name>)")
         shared = sorted(set(self.trl_kwargs) & set(RUN_WIDE))  # set once for every stage, at the top level
-        _check(not shared, "rl.trl_kwargs", self.trl_kwargs,
+        check(not shared, "rl.trl_kwargs", self.trl_kwargs,
                f"free of run-wide settings ({', '.join(shared)}: set them at the top level, e.g. --set bf16=true)")
 
 
@@ -279,9 +279,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         bad = [s for s in self.stages if s not in STAGES]
-        _check(not bad, "stages", self.stages, f"a subset of {list(STAGES)}")
-        _check(len(set(self.stages)) == len(self.stages), "stages", self.stages, "without repeats")
-        _check(bool(self.output_dir.strip()), "output_dir", self.output_dir, "a directory path")
+        check(not bad, "stages", self.stages, f"a subset of {list(STAGES)}")
+        check(len(set(self.stages)) == len(self.stages), "stages", self.stages, "without repeats")
+        check(bool(self.output_dir.strip()), "output_dir", self.output_dir, "a directory path")
         self.stages = [s for s in STAGES if s in self.stages]  # always run in pipeline order
         self.report_to = [r for r in self.report_to if r != "none"]
 
@@ -295,15 +295,10 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------ validation helpers
-def _check(ok: bool, name: str, value: Any, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: must be {rule}")
-
-
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
-        _check(isinstance(value, int) and value >= 1, f"{section}.{name}", value, "an integer >= 1")
+        check(isinstance(value, int) and value >= 1, f"{section}.{name}", value, "an integer >= 1")
 
 
 # ------------------------------------------------------------------ dict <-> dataclass
