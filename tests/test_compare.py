@@ -402,7 +402,6 @@ def finish_in_process(settings: CompareSettings, monkeypatch) -> list:
     import trustclip.compare.runner as worker
     from trustclip.compare.runner import prepare_run_dir
 
-    monkeypatch.setattr(worker, "_set_threads", lambda threads: None)  # leave this process's torch threads alone
     runs = settings.plan()
     for spec in runs:  # plan order: each seed's SFT run before the RL runs that start from it
         prepare_run_dir(spec, resume_partial=False, pipeline=settings.pipeline)
@@ -556,7 +555,7 @@ def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):
     reference starts nothing."""
     import argparse
 
-    from trustclip.commands.compare import add_arguments
+    from trustclip.commands.compare import add_arguments, settings_from_args
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=(0, 1, 2, 3))
     runs = finish_in_process(settings, monkeypatch)
@@ -570,7 +569,7 @@ def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):
     assert json.loads((fake_env / "compare.json").read_text())["reference"] == "clip[ epsilon = 0.3 ]"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert CompareSettings.from_args(parser.parse_args(base[1:])).reference == "clip[ epsilon = 0.3 ]"  # remembered
+    assert settings_from_args(parser.parse_args(base[1:])).reference == "clip[ epsilon = 0.3 ]"  # remembered
     capsys.readouterr()
     assert cli_main([*base, "--reference", "sapo"]) == 2
     assert "--reference 'sapo' is not a compared group; groups: clip, atr, clip[epsilon=0.3]" in capsys.readouterr().err
@@ -669,51 +668,6 @@ def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(
         assert run_compare(settings, say=lambda s: None) == 0
         assert started(events(fake_env / f"same{i}")) == ([f"{written}/seed0"] if i == 0 else [])
     assert sorted(p.name for p in (pool / "runs").iterdir()) == ["_sft", "kl3", "kl3_delta=0.1", "kl3_delta=0.2"]
-
-
-def test_issue27_item3_runs_of_an_older_pool_are_found_where_they_are(fake_env):
-    """A pool made before runs were named by their settings keeps plain atr in runs/atr: --report-only and a rerun
-    find it there (nothing is redone)."""
-    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0,))
-    assert run_compare(settings, say=lambda s: None) == 0
-    (fake_env / "runs" / "kl3").rename(fake_env / "runs" / "atr")  # the older layout
-    (fake_env / "report.md").unlink()
-    assert [r.run_dir.parent.name for r in settings.plan()] == ["_sft", "clip", "atr"]
-    report_only = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0,), report_only=True)
-    assert run_compare(report_only, say=lambda s: None) == 0 and (fake_env / "report.md").is_file()
-    n = len(events(fake_env))
-    assert run_compare(settings, say=lambda s: None) == 0
-    assert started(events(fake_env, n)) == []
-
-
-def test_issue27_item13_a_run_another_compare_is_making_is_waited_for(fake_env, monkeypatch):
-    """Two compares on one pool: the second waits for the run the first is making (its lock held), then reuses it,
-    instead of failing it at once."""
-    import threading
-
-    import trustclip.compare.runner as worker
-    from trustclip.compare.runner import prepare_run_dir
-    from trustclip.files import try_lock
-
-    monkeypatch.setattr(worker, "_set_threads", lambda threads: None)
-    pool = fake_env.parent / "pool"
-    settings = fake_settings(fake_env, objectives=("clip",), seeds=(0,), runs_dir=str(pool))
-    _, clip_run = settings.plan()
-    held = try_lock(clip_run.run_dir / ".lock")  # the other compare's worker, making clip/seed0
-    said, result = [], {}
-    thread = threading.Thread(target=lambda: result.setdefault("code", run_compare(settings, say=said.append)))
-    thread.start()
-    deadline = time.time() + 120
-    while not any("waiting for it" in line for line in said):
-        assert thread.is_alive() and time.time() < deadline, said
-        time.sleep(0.1)
-    prepare_run_dir(clip_run, resume_partial=False, pipeline=settings.pipeline)  # the other compare makes it
-    assert worker.run_worker(clip_run.run_dir, lock_fd=os.dup(held.fileno())) == 0
-    held.close()
-    thread.join(timeout=120)
-    assert result.get("code") == 0, said
-    assert any("finished by another compare sharing the runs; reused" in line for line in said)
-    assert started(events(fake_env)) == ["_sft/seed0"] and not [r for r in events(fake_env) if r["event"] == "fail"]
 
 
 def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
