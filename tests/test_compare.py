@@ -722,6 +722,17 @@ def test_second_compare_on_the_same_directory_is_refused(fake_env):
         execute([], fake_env)
 
 
+def test_one_lock_per_pool_refuses_a_compare_with_another_output_dir(fake_env):
+    """Compares sharing --runs-dir take one lock, the pool's: a second one fails at once, naming the holder."""
+    from trustclip.compare.runner import acquire_compare_lock
+
+    pool = fake_env.parent / "pool"
+    settings = fake_settings(fake_env / "second", objectives=("clip",), seeds=(0,), runs_dir=str(pool))
+    with acquire_compare_lock(pool), pytest.raises(RuntimeError, match=rf"another compare \(pid {os.getpid()}\)"):
+        run_compare(settings, say=lambda s: None)
+    assert not (pool / "runs").exists()  # no run was started
+
+
 # ------------------------------------------------------------------------- real end to end (tiny setting)
 TINY = ["sft.max_steps=2", "sft.per_device_train_batch_size=8", "rl.max_steps=3", "rl.num_generations=4",
         "rl.per_device_train_batch_size=8", "rl.max_completion_length=16", "rl.eval_every=2", "rl.save_steps=2",

@@ -330,12 +330,6 @@ def run_folder(spec: RunSpec, base: dict[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))
 
 
-def _settings(spec: RunSpec) -> str:
-    """What determines a run's numbers, with the objective's defaults filled in (so clip == clip[epsilon=0.2])."""
-    science = {**spec.config, "rl": {**spec.config["rl"], "objective_kwargs": spec.hparams}}
-    return json.dumps({k: v for k, v in science.items() if k not in RUN_CONTROL}, sort_keys=True, default=str)
-
-
 def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *,
               recipe: str | Path | None = None, overrides: Sequence[str] = (), sweep: Sweep | None = None,
               hparams: dict[str, dict[str, Any]] | None = None, base: dict[str, Any] | None = None,
@@ -357,13 +351,12 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
             swept = _sweep_applies(sweep, entry)
             runs += [_make_run(entry, seed, base, hparams, sweep if swept else None, value, root)
                      for value in (sweep.values if swept else (None,))]
-    seen: dict[str, RunSpec] = {}  # two groups training the same runs, or into one directory, are an error
+    seen: dict[Path, RunSpec] = {}  # a directory follows from the settings: two groups in one train the same runs
     for spec in runs:
         spec.folder = run_folder(spec, base)
-        for key in (f"settings {_settings(spec)}", f"directory {spec.run_dir}"):
-            if (other := seen.setdefault(key, spec)) is not spec:
-                raise ValueError(f"{other.group!r} and {spec.group!r} have the same {key.split()[0]} "
-                                 f"({other.objective} {other.hparams}); compare each setting once")
+        if (other := seen.setdefault(spec.run_dir, spec)) is not spec:
+            raise ValueError(f"{other.group!r} and {spec.group!r} have the same settings ({other.objective} "
+                             f"{other.hparams}, {spec.run_dir}); compare each setting once")
     return _share_sft(runs, root) if share_sft and "sft" in base["stages"] else runs
 
 
