@@ -287,8 +287,8 @@ def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_p
 
 # ----------------------------------------------------------------------------------- statistics and text
 def test_rank_sentence_follows_the_paired_intervals():
+    from trustclip.compare.report import rank_sentence
     from trustclip.compare.results import Group
-    from trustclip.compare.text import rank_sentence
 
     def group(name: str, values: list[float]) -> Group:
         return Group(name, name, name, {}, None, None, [], values={"mean@K": dict(enumerate(values))})
@@ -838,7 +838,8 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
 def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, monkeypatch):
     """An evaluation with completion stats gives the runs `eval_length` / `eval_entropy` outcomes (the held-out
     average), compared with the reference paired by seed; runs evaluated without them keep the old outcome list."""
-    from trustclip.compare.results import OPTIONAL, group_runs, load_run, outcomes_of, paired_comparisons, run_rows
+    from trustclip.compare.report import paired_comparisons
+    from trustclip.compare.results import OPTIONAL, group_runs, load_run, outcomes_of, run_rows
 
     settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
     runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
@@ -872,8 +873,8 @@ def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, 
 def test_findings_give_how_rl_moved_held_out_entropy_and_length(fake_env, monkeypatch):
     """Where evaluations recorded completion stats, the Findings pair each run's final held-out entropy and length
     with its own RL start; without them, no such sentence."""
+    from trustclip.compare.report import findings
     from trustclip.compare.results import group_runs, load_run
-    from trustclip.compare.text import findings
 
     settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1, 2, 3, 4))
     runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
@@ -899,8 +900,8 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
     """Every number of a run is one row (run, group, seed, outcome, value); a group's numbers are its pivot, `gain` is
     final - RL start once (the outcome, the per-split rows and the Findings' gain sentence agree), and results.csv
     holds the same rows."""
+    from trustclip.compare.report import findings
     from trustclip.compare.results import group_runs, load_run, tidy
-    from trustclip.compare.text import findings
 
     settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
     runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from trustclip.compare.report import difference_sentence
 from trustclip.compare.stats import (
     bootstrap_t_interval,
     iqm,
@@ -18,7 +19,6 @@ from trustclip.compare.stats import (
     seeds_needed,
     sweep_trend,
 )
-from trustclip.compare.text import difference_sentence
 
 EXPERIMENTS, SEEDS, EFFECT = 200, 5, 0.04  # 200 synthetic comparisons of 5 paired seeds, true effect +4 points
 NOISE = {  # per-seed noise of the difference (sd 0.02), centred so that the true mean difference is EFFECT

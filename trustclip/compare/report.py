@@ -1,9 +1,10 @@
-"""The comparison report: `report.md` (tables, generated findings, figures), `results.json` (the groups' pivots,
-the paired comparisons, the aggregates), `results.csv` (the tidy table, one row per number of a run, with the paired
-comparisons and aggregates) and `curves.csv` (the data of every figure).
+"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons and aggregates),
+`results.json` (the settings, each group's pivot of the table, the comparisons and aggregates) and `curves.csv` (the
+data of every figure).
 
-Table cells are percentages of the fractions stored in the runs' `eval/*.json` (rounded to one decimal); the CSV
-and JSON hold the unrounded fractions. The sentences come from `trustclip.compare.text`.
+Table cells are percentages of the fractions in the runs' `eval/*.json`, rounded; the CSV and JSON hold the
+unrounded fractions. Every sentence that compares states a paired `Difference` through `difference_sentence` or its
+verdict: nothing is called higher or lower whose 95 % interval includes 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trustclip import metric_names as names
 from trustclip.compare.figures import FIGURES_DIR, make_figures
 from trustclip.compare.plan import RunSpec, format_value, resolve_reference
@@ -22,28 +25,29 @@ from trustclip.compare.results import (
     AVERAGE,
     OFFPOLICY,
     OUTCOME,
-    SECTIONS,
+    PRIMARY,
     SERIES,
     Group,
+    Outcome,
     RunRecord,
-    group_aggregates,
     metric_title,
     outcomes_of,
-    paired_comparisons,
     splits_of,
     tidy,
     title_of,
 )
-from trustclip.compare.stats import LEVEL, Difference, Estimate, Stat, stat
-from trustclip.compare.text import (
-    findings,
-    fmt_interval,
-    fmt_pct,
-    fmt_pm,
-    fmt_signed,
-    method_lines,
-    needed_text,
-    outcome_label,
+from trustclip.compare.stats import (
+    LEVEL,
+    MAX_SEEDS,
+    RESAMPLES,
+    Difference,
+    Estimate,
+    Stat,
+    iqm,
+    paired_difference,
+    probability_of_improvement,
+    stat,
+    sweep_trend,
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
@@ -53,21 +57,192 @@ CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "see
                "value", "run")
 
 
+# ------------------------------------------------------------------------------------------------- numbers
+def fmt_pct(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
+
+
+def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
+    """'41.2 ± 1.3' ('41.2' for one seed, 'n/a' for none)."""
+    return "n/a" if not s.n else f"{scale * s.mean:.{digits}f}" + (f" ± {scale * s.std:.{digits}f}" if s.n > 1 else "")
+
+
+def fmt_signed(x: float, scale: float = 100.0, digits: int = 1) -> str:
+    return "n/a" if math.isnan(x) else ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:+.{digits}f}"
+
+
+def fmt_interval(d: Difference, scale: float = 100.0, digits: int = 1) -> str:
+    """'[+1.1, +5.0]' ('n/a' below 2 seeds)."""
+    return "n/a" if d.n < 2 else f"[{fmt_signed(d.low, scale, digits)}, {fmt_signed(d.high, scale, digits)}]"
+
+
+def needed_text(d: Difference) -> str:
+    if d.n < 2 or not d.sd > 0 or d.mean == 0:
+        return "not estimable"
+    return str(d.seeds_needed) if d.seeds_needed is not None else f"> {MAX_SEEDS}"
+
+
+def outcome_label(outcome: Outcome, k: int) -> str:
+    return outcome.label.format(k=k)
+
+
+def _fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
+    if e is None:
+        return "n/a"
+    if math.isnan(e.low):
+        return f"{scale * e.value:.{digits}f} (no interval)"
+    return f"{scale * e.value:.{digits}f} [{scale * e.low:.{digits}f}, {scale * e.high:.{digits}f}]"
+
+
+# ----------------------------------------------------------------------------------------------- sentences
+def difference_sentence(d: Difference, what: str, scale: float = 100.0, unit: str = " points",
+                        digits: int = 1) -> str:
+    """The sentence of one paired difference, from its interval only."""
+    head = f"{d.group} - {d.reference}, {what}: "
+    if d.n == 0:
+        return head + "no seed has both runs finished."
+    if d.verdict == "identical":
+        return head + f"identical on all {d.n} paired seed(s) (every difference is exactly 0)."
+    text = head + f"{fmt_signed(d.mean, scale, digits)}{unit}"
+    if d.n < 2:
+        return text + f" on one paired seed (seed {d.seeds[0]}): no interval with one seed, nothing is claimed."
+    text += f" [{LEVEL:.0%} CI {fmt_interval(d, scale, digits)[1:-1]}], n = {d.n} paired seeds"
+    if d.verdict in ("higher", "lower"):
+        return text + f": {d.verdict} than {d.reference}."
+    needed = needed_text(d)
+    more = (f"about {needed} seeds would be needed to resolve a difference this size" if needed[0].isdigit()
+            else f"the seeds needed to resolve it are {needed}" + (" (more than we try)" if ">" in needed else ""))
+    return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
+
+
+def rank_sentence(name: str, groups: Sequence[Group], outcome: Outcome = PRIMARY) -> str:
+    """Which group has the highest mean of `outcome`, and which others its paired intervals resolve it from."""
+    means = {g.group: g.stat(outcome.key) for g in groups}
+    ranked = sorted((g for g in groups if means[g.group].n), key=lambda g: means[g.group].mean, reverse=True)
+    if len(ranked) < 2:
+        return f"{name}: fewer than two groups with finished runs, no ordering."
+    top, best = ranked[0], means[ranked[0].group]
+    tied = [g.group for g in ranked if means[g.group].mean == best.mean]
+    value = f"{fmt_pm(best, outcome.scale, outcome.digits)}{outcome.unit}"
+    if len(tied) > 1:
+        who = ", ".join(f"**{g}**" for g in tied)
+        return f"{name}: {who} share the highest mean ({value}); no ordering among them."
+    verdicts = {g.group: paired_difference(top.values[outcome.key], g.values[outcome.key], group=top.group,
+                                           ref=g.group, outcome=outcome.key).verdict for g in ranked[1:]}
+    above, open_ = ([g for g, v in verdicts.items() if (v == "higher") == want] for want in (True, False))
+    text = f"{name}: **{top.group}** has the highest mean ({value}, n = {best.n})"
+    if not open_:
+        return text + f"; its paired {LEVEL:.0%} interval against every other group lies above 0."
+    if not above:
+        return text + f", but no paired {LEVEL:.0%} interval against the others ({', '.join(open_)}) excludes 0: " \
+                      "the data do not order them."
+    return text + f"; its paired {LEVEL:.0%} intervals lie above 0 against {', '.join(above)}, not against " \
+                  f"{', '.join(open_)}."
+
+
+def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome = PRIMARY) -> str:
+    """The sweep's trend (`stats.sweep_trend`): the per-seed slope of an outcome and its interval."""
+    key = members[0].sweep_key
+    d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
+    text = (f"Trend of {label} over {key} (least-squares slope of {outcome_label(o, k)} on "
+            f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
+    if d.n < 2:
+        return text + f"{d.n} complete seed(s), no interval."
+    text += (f"{fmt_signed(d.mean, o.scale, o.digits)}{o.unit} {f'per tenfold {key}' if log else f'per unit of {key}'} "
+             f"[{LEVEL:.0%} CI {fmt_interval(d, o.scale, o.digits)[1:-1]}], n = {d.n} (per seed: "
+             + ", ".join(fmt_signed(v, o.scale, o.digits) for v in d.differences) + ")")
+    verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
+    return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
+
+
+def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
+             n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
+    """The Findings: sentences generated from the paired intervals."""
+    avg, k = AVERAGE if AVERAGE in splits else splits[-1], int(metrics[0].partition("@")[2])
+    primary = f"{title_of(avg)} {metric_title(metrics[0])}"
+    out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
+           + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
+    if not any(g.group == reference for g in groups):
+        out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
+    out += [difference_sentence(d, outcome_label(PRIMARY, k)) for d in diffs if d.outcome == PRIMARY.key]
+    if resolved := [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]:
+        out.append("Other outcomes whose paired interval excludes 0: " + "; ".join(
+            f"{d.group} {outcome_label(o := OUTCOME[d.outcome], k)} {fmt_signed(d.mean, o.scale, o.digits)}{o.unit} "
+            f"{fmt_interval(d, o.scale, o.digits)} ({d.verdict})" for d in resolved) + ".")
+    elif diffs:
+        out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
+    out.append(rank_sentence(f"{primary} of the final policy", groups))
+    for g in groups:  # the change over RL, paired within each run (final policy - its own RL start)
+        gain = g.values.get(f"gain/{avg}/{metrics[0]}", {})
+        out.append(difference_sentence(paired_difference(gain, dict.fromkeys(g.seeds, 0.0), group=g.group,
+                                                          ref="RL start", outcome="gain"),
+                                       f"held-out {title_of(avg)} Mean@{k}"))
+    for key in ("eval_entropy", "eval_length"):  # where the evaluations recorded them: how RL moved the completions
+        o, what = OUTCOME[key], key.removeprefix("eval_")
+        for g in groups:
+            final, start = (g.values.get(f"completions/{when}/{avg}/{what}", {}) for when in ("final", "before"))
+            if final:
+                out.append(difference_sentence(paired_difference(final, start, group=g.group, ref="RL start",
+                                                                 outcome=key),
+                                               o.label.replace(", final", f", {title_of(avg)}"), o.scale, o.unit,
+                                               o.digits))
+    swept: dict[str, list[Group]] = {}
+    for g in (g for g in groups if g.sweep_key is not None):
+        swept.setdefault(g.label, []).append(g)
+    for label, members in swept.items():
+        if len(members) >= 2:
+            out.append(rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {primary}", members))
+        if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
+            out += [trend_sentence(label, members, k, OUTCOME[key]) for key in (PRIMARY.key, "pass@K")]
+    if intervals := sum(d.n >= 2 for d in diffs):
+        out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
+                   f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
+                   f"primary outcome is the final held-out {primary}.")
+    if max((g.n for g in groups), default=0) < 2:
+        out.append("With one seed per group there is no interval: nothing is called higher or lower.")
+    checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
+    out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final and the "
+               "accuracy-vs-step figure has two points; `--set rl.eval_every=N` adds checkpoints." if checkpoints == [1]
+               else f"'best' is the maximum over {'/'.join(map(str, checkpoints))} evaluated RL checkpoints (every "
+               f"{eval_every} steps and the last), chosen on the same held-out problems it is reported on, so it is "
+               "optimistic; 'final' is the unbiased number.")
+    return out
+
+
+def method_lines(reference: str, k: int) -> list[str]:
+    return [
+        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), "
+        f"averaged over the n seeds both groups have finished. {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
+        f"of the mean difference, seeds resampled in pairs ({RESAMPLES} resamples of the per-seed differences, "
+        "`scipy.stats.bootstrap`); a percentile or BCa interval stays inside the range of the seeds and under-covers "
+        "with a handful of them (see `trustclip/compare/stats.py`). With 2-3 seeds the interval is unbounded (a "
+        "resample that repeats one seed has no spread).",
+        "Verdict: higher / lower only when the interval excludes 0; identical: every difference exactly 0. Seeds "
+        "needed: the number of seeds at which a two-sided paired t-test at alpha 0.05 has power 0.8 if the observed "
+        f"mean and standard deviation of the differences were the true ones (> {MAX_SEEDS}: more than that; not "
+        "estimable: no spread, no difference or one seed); the bootstrap-t interval is wider than the t-test's at a "
+        "handful of seeds, so it may need a few more.",
+        f"Outcomes on the held-out average; train reward, entropy and length over the last 10% of RL steps; "
+        f"active-constraint fraction = `{names.CLIP_ANY}`, off-policy fraction = `{OFFPOLICY}`, both averaged over "
+        f"RL; collapse = 1 for a run whose final held-out Mean@{k} is below its own RL start.",
+    ]
+
+
+# -------------------------------------------------------------------------------------------------- tables
 def _table(head: Sequence[str], align: str, rows: Sequence[Sequence[Any]]) -> str:
     """A markdown table; `align`: the separator line after the first column's `|---`."""
     return "\n".join(["| " + " | ".join(head) + " |", "|---" + align + "|",
                       *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
-def _hp(hparams: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={format_value(v)}" for k, v in hparams.items() if v is not None) or "-"
+def _numeric(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A table whose columns after the first are right-aligned."""
+    return _table(head, "|---:" * (len(head) - 1), rows)
 
 
-# ---------------------------------------------------------------------------------------------------- tables
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
     """Paper Table 2 layout: per split and on average, "final (best)" means over seeds, in %."""
-    head = ["Objective"] + [f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics]
-    return _table(head, "|---:" * (len(head) - 1), [
+    return _numeric(["Objective"] + [f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics], [
         [g.group] + [f"{fmt_pct(g.stat(f'final/{s}/{m}').mean)} ({fmt_pct(g.stat(f'best/{s}/{m}').mean)})"
                      for s in splits for m in metrics] for g in groups])
 
@@ -76,9 +251,8 @@ def table3(groups: Sequence[Group], splits: Sequence[str], metric: str, start: d
     """Paper Table 3 layout: final `metric` as mean ± std over seeds, per split and on average, in %."""
     rows = [[g.group, g.n] + [fmt_pm(g.stat(f"final/{s}/{metric}")) for s in splits] for g in groups]
     if start:
-        rows.append(["*RL start (SFT model)*", max((st.n for st in start.values()), default=0)]
-                    + [fmt_pm(start[s]) for s in splits])
-    return _table(["Objective", "seeds"] + [title_of(s) for s in splits], "|---:" * (len(splits) + 1), rows)
+        rows.append(["*RL start (SFT model)*", max(st.n for st in start.values())] + [fmt_pm(start[s]) for s in splits])
+    return _numeric(["Objective", "seeds"] + [title_of(s) for s in splits], rows)
 
 
 def dynamics_table(groups: Sequence[Group]) -> str:
@@ -89,32 +263,29 @@ def dynamics_table(groups: Sequence[Group]) -> str:
     labels = [SERIES[k.rsplit(" (", 1)[0]] + (" (mean over RL)" if k.endswith("(mean)") else " (last 10%)")
               for k in keys]
     digits = [1 if "length" in k else (4 if "_frac" in k else 3) for k in keys]
-    return _table(["Objective", *labels, "seconds per run"], "|---:" * (len(keys) + 1), [
+    return _numeric(["Objective", *labels, "seconds per run"], [
         [g.group] + [fmt_pm(g.stat(f"dynamics/{k}"), 1.0, d) for k, d in zip(keys, digits, strict=True)]
         + [fmt_pm(g.stat("seconds"), 1.0, 0)] for g in groups])
 
 
 def completions_table(groups: Sequence[Group]) -> str | None:
-    """Held-out completions at the RL start and at the end (length, and the policy's entropy where recorded), on the
-    held-out average, per group; None when no run's evaluation recorded them."""
+    """Held-out completions' length (and entropy, where recorded) at the RL start and at the end, on the held-out
+    average, per group; None when no run's evaluation recorded them."""
     stats = [(key, label, digits) for key, label, digits in (("length", "length (tokens)", 1),
                                                               ("entropy", "entropy (nats/token, T = 1)", 3))
              if any(f"completions/final/{AVERAGE}/{key}" in g.values for g in groups)]
-    if not stats:
-        return None
-    head = ["Objective", *(f"{label}, {when}" for _, label, _ in stats for when in ("RL start", "final"))]
-    return _table(head, "|---:" * (len(head) - 1), [
+    return _numeric(["Objective", *(f"{label}, {when}" for _, label, _ in stats for when in ("RL start", "final"))], [
         [g.group] + [fmt_pm(g.stat(f"completions/{when}/{AVERAGE}/{key}"), 1.0, digits)
-                     for key, _, digits in stats for when in ("before", "final")] for g in groups])
+                     for key, _, digits in stats for when in ("before", "final")] for g in groups]) if stats else None
 
 
 def runs_table(records: Sequence[RunRecord], splits: Sequence[str]) -> str:
-    metrics = records[0].metrics
-    avg = AVERAGE if AVERAGE in splits else splits[-1]
+    metrics, avg = records[0].metrics, AVERAGE if AVERAGE in splits else splits[-1]
     head = ["Run", "objective", "hyper-parameters", *(f"{title_of(avg)} {metric_title(m)} final (best)"
                                                       for m in metrics), "evaluated checkpoints", "seconds"]
     return _table(head, "|---|---" + "|---:" * (len(head) - 3), [
-        [r.spec.run_id, r.spec.objective, _hp(r.spec.hparams),
+        [r.spec.run_id, r.spec.objective, ", ".join(f"{k}={format_value(v)}" for k, v in r.spec.hparams.items()
+                                                    if v is not None) or "-",
          *(f"{fmt_pct(r.final[avg][m])} ({fmt_pct(r.best[avg][m])})" for m in metrics), len(r.history),
          f"{r.seconds.get('total', math.nan):.0f}"] for r in records])
 
@@ -129,23 +300,42 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
          fmt_interval(d, o.scale, o.digits), d.n, d.verdict, needed_text(d)] for d in diffs])
 
 
-def _fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
-    if e is None:
-        return "n/a"
-    if math.isnan(e.low):
-        return f"{scale * e.value:.{digits}f} (no interval)"
-    return f"{scale * e.value:.{digits}f} [{scale * e.low:.{digits}f}, {scale * e.high:.{digits}f}]"
-
-
 def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
     """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
-    head = (["Group", "seeds"] + [f"IQM {metric_title(m)} (%)" for m in metrics]
-            + [f"P(group > {reference}), {metric_title(m)}" for m in metrics])
-    return _table(head, "|---:" * (len(head) - 1), [
+    return _numeric(["Group", "seeds"] + [f"IQM {metric_title(m)} (%)" for m in metrics]
+                    + [f"P(group > {reference}), {metric_title(m)}" for m in metrics], [
         [g.group, g.n] + [_fmt_estimate(aggregates.get(g.group, {}).get("iqm", {}).get(m)) for m in metrics]
         + ["(reference)" if g.group == reference else
            _fmt_estimate(aggregates.get(g.group, {}).get("poi", {}).get(m), 1.0, 2) for m in metrics]
         for g in groups])
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
+    """Every outcome of every other group against the reference group, paired by seed, in group then outcome
+    order."""
+    ref = next(g for g in groups if g.group == reference)
+    return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
+                              outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
+
+
+def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
+                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
+    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) final
+    scores of the held-out splits (not their average: rliable aggregates over tasks)."""
+    tasks = [s for s in splits if s != AVERAGE] or list(splits)
+
+    def scores(g: Group, metric: str) -> np.ndarray:  # runs (rows) lacking a split are left out
+        return np.array([[r.final[s][metric] for s in tasks] for r in g.runs if all(s in r.final for s in tasks)])
+
+    ref = next(g for g in groups if g.group == reference)
+    out: dict[str, dict[str, dict[str, Estimate]]] = {}
+    for g in groups:
+        out[g.group] = {"iqm": {m: iqm(x) for m in metrics if (x := scores(g, m)).size}}
+        if g is not ref:
+            out[g.group]["poi"] = {m: probability_of_improvement(x, y) for m in metrics
+                                   if (x := scores(g, m)).size and (y := scores(ref, m)).size}
+    return out
 
 
 def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
@@ -159,69 +349,13 @@ def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> 
     return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
 
 
-# --------------------------------------------------------------------------------------------------- writers
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
-             aggregates: dict | None = None) -> list[dict[str, Any]]:
-    """The tidy table of the groups' runs in long format (fractions, not percentages), then the paired comparisons and
-    aggregates."""
-    rows: list[dict[str, Any]] = []
-    for row in tidy([r for g in groups for r in g.runs]):
-        section, sep, rest = row["outcome"].partition("/")
-        if not sep:
-            section, rest = ("outcome", section) if section in OUTCOME else (section, "total")
-        split, metric = rest.rsplit("/", 1) if section in SECTIONS else ("", rest)
-        rows.append({"section": section, "group": row["group"], "seed": row["seed"], "split": split, "metric": metric,
-                     "statistic": "value", "value": row["value"], "run": row["run"]})
-    for d in diffs:
-        info = d.to_dict()
-        rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
-                  "value": info[name]} for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
-    rows += [{"section": kind, "group": group, "metric": metric, "statistic": name, "value": value}
-             for group, kinds in (aggregates or {}).items() for kind, per_metric in kinds.items()
-             for metric, estimate in per_metric.items() for name, value in estimate.to_dict().items()]
-    info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
-                      "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
-    return [{**info.get(r["group"], {}), **r} for r in rows]
-
-
-def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-                     for row in rows)
-    return write_text_atomic(path, buffer.getvalue())
-
-
-def _group_json(g: Group) -> dict[str, Any]:
-    dynamics = {k.partition("/")[2]: g.stat(k).to_dict() for k in g.values if k.startswith("dynamics/")}
-    return {"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
-            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds,
-            **{section: {s: {m: st.to_dict() for m, st in ms.items()} for s, ms in g.table(section).items()}
-               for section in SECTIONS},
-            "dynamics": dynamics, "seconds": g.stat("seconds").to_dict(),
-            "outcomes": {o.key: {str(seed): v for seed, v in g.values.get(o.key, {}).items()}
-                         for o in outcomes_of([g])}}
-
-
-def _run_json(r: RunRecord) -> dict[str, Any]:
-    return {"run_id": r.spec.run_id, "group": r.spec.group, "seed": r.spec.seed, "objective": r.spec.objective,
-            "hparams": r.spec.hparams, "dir": str(r.spec.run_dir), "final": r.final, "best": r.best,
-            "before": r.before, "history": {str(k): v for k, v in r.history.items()}, "curves": r.curves,
-            "seconds": r.seconds, "rl_steps": r.rl_steps}
-
-
-def sft_seconds(sft_runs: Sequence[RunSpec]) -> Stat:
-    """Seconds of the shared SFT runs (from their summary.json)."""
-    return stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
-                 if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
-
-
-def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_runs: Sequence[RunSpec],
-                   sft_time: Stat) -> list[str]:
+# ----------------------------------------------------------------------------------------------- the files
+def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_runs: Sequence[RunSpec]) -> list[str]:
     cfg = records[0].spec.config
     rl, ev, data = cfg["rl"], cfg["eval"], cfg["data"]
     seconds = stat([r.seconds.get("total", math.nan) for r in records])
+    sft = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
+                if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
     return [
         f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
         f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
@@ -240,13 +374,13 @@ def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_r
         f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
         f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs",
         *([f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model ({len(sft_runs)} SFT "
-           f"run(s) in `runs/_sft*`, {fmt_pm(sft_time, 1.0, 0)} s each; not included in the seconds per run "
-           "below)"] if sft_runs else []),
+           f"run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in the seconds per run below)"]
+          if sft_runs else []),
     ]
 
 
-def _statistics_markdown(groups: Sequence[Group], metrics: Sequence[str], reference: str,
-                         diffs: Sequence[Difference], aggregates: dict, k: int) -> list[str]:
+def _statistics(groups: Sequence[Group], metrics: Sequence[str], reference: str, diffs: Sequence[Difference],
+                aggregates: dict, k: int) -> list[str]:
     if not any(g.group == reference for g in groups):
         return [f"## Paired comparisons against {reference}", "", f"_{reference} has no finished run yet._", ""]
     return [f"## Paired comparisons against {reference}", "", paired_table(diffs, k), "",
@@ -283,9 +417,8 @@ def _markdown(records: Sequence[RunRecord], groups: Sequence[Group], splits: Seq
                   "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                   "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens.",
                   ""]
-    parts += ["## Figures", ""]
     singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
-    parts += [f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles]
+    parts += ["## Figures", "", *(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
     if singles:
         parts += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles)]
     return "\n".join([*parts, "", "## Runs", "", runs_table(records, splits), "", "## Files", "",
@@ -297,12 +430,42 @@ def _markdown(records: Sequence[RunRecord], groups: Sequence[Group], splits: Seq
                       "metrics.jsonl, eval/, plots/, checkpoints)", ""])
 
 
+def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
+             aggregates: dict | None = None) -> list[dict[str, Any]]:
+    """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
+    percentages), then one row per statistic of the paired comparisons and of the aggregates."""
+    rows: list[dict[str, Any]] = []
+    for row in tidy([r for g in groups for r in g.runs]):
+        section, _, rest = row["outcome"].partition("/")
+        if not rest:
+            section, rest = ("outcome", section) if section in OUTCOME else (section, "total")
+        split, metric = rest.rsplit("/", 1) if section in ("final", "best", "before", "gain") else ("", rest)
+        rows.append({"section": section, "split": split, "metric": metric, "statistic": "value", **row})
+    rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
+              "value": d.to_dict()[name]} for d in diffs
+             for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
+    rows += [{"section": kind, "group": group, "metric": metric, "statistic": name, "value": value}
+             for group, kinds in (aggregates or {}).items() for kind, per_metric in kinds.items()
+             for metric, estimate in per_metric.items() for name, value in estimate.to_dict().items()]
+    info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
+                      "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
+    return [{**info.get(r["group"], {}), **r} for r in rows]
+
+
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()} for row in rows)
+    return write_text_atomic(path, buffer.getvalue())
+
+
 def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str | Path, *, settings: dict[str, Any],
                  planned: Sequence[RunSpec], failed: dict[str, str] | None = None, window: int | None = None,
                  sft_runs: Sequence[RunSpec] = (), reference: str | None = None) -> dict[str, Path]:
-    """Write report.md, results.json, results.csv, curves.csv and the figures; returns their paths.
+    """Write report.md, results.csv, results.json, curves.csv and the figures; returns their paths.
     `reference`: the group the paired comparisons are against (default as `resolve_reference`)."""
-    out = Path(out)
+    out, failed = Path(out), failed or {}
     if not records:
         raise ValueError("no finished runs to report on")
     splits, metrics, k = splits_of(records), list(records[0].metrics), records[0].k
@@ -319,25 +482,21 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     if start_spread > 1e-9:
         text.append(f"Runs of the same seed started RL from SFT models whose {metric_title(metrics[0])} differs by "
                     f"up to {fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
-    sft_time = sft_seconds(sft_runs)
-    md = _markdown(records, groups, splits, metrics, _setting_lines(settings, records, sft_runs, sft_time), text,
-                   figs, out, start, missing, failed or {},
-                   _statistics_markdown(groups, metrics, reference, diffs, aggregates, k))
-    paths = {"report": write_text_atomic(out / "report.md", md),
-             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
-             "curves": _write_csv(out / "curves.csv", curve_rows,
-                                  ["figure", "panel", "group", "x", "mean", "std", "n_seeds"])}
-    paths["json"] = write_json_atomic(out / "results.json", {
-        "settings": settings, "k": k, "splits": splits, "metrics": metrics,
-        "planned": [s.run_id for s in planned], "missing": missing, "failed": failed or {},
-        "findings": text, "groups": [_group_json(g) for g in groups], "runs": [_run_json(r) for r in records],
-        "rl_start": {s: st.to_dict() for s, st in start.items()},
-        "shared_sft": {"runs": [s.run_id for s in sft_runs], "seconds": sft_time.to_dict()},
-        "figures": [str(p.relative_to(out)) for p in figs], "reference": reference,
-        "method": method_lines(reference, k),
-        "outcomes": {o.key: outcome_label(o, k) for o in outcomes_of(groups)},
-        "comparisons": [d.to_dict() for d in diffs],
-        "aggregates": {g: {kind: {m: e.to_dict() for m, e in per.items()} for kind, per in kinds.items()}
-                       for g, kinds in aggregates.items()},
-    })
-    return paths | {fig.stem: fig for fig in figs}
+    md = _markdown(records, groups, splits, metrics, _setting_lines(settings, records, sft_runs), text, figs, out,
+                   start, missing, failed, _statistics(groups, metrics, reference, diffs, aggregates, k))
+    return {"report": write_text_atomic(out / "report.md", md),
+            "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
+            "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
+                                                                   "n_seeds"]),
+            "json": write_json_atomic(out / "results.json", {
+                "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
+                "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
+                "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
+                "outcomes": {o.key: outcome_label(o, k) for o in outcomes_of(groups)},
+                "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
+                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds,
+                            "values": g.values} for g in groups],
+                "comparisons": [d.to_dict() for d in diffs],
+                "aggregates": {g: {kind: {m: e.to_dict() for m, e in per.items()} for kind, per in kinds.items()}
+                               for g, kinds in aggregates.items()}}),
+            } | {fig.stem: fig for fig in figs}

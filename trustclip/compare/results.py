@@ -1,17 +1,14 @@
 """Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run.
 
-Everything comes from the files the training pipeline wrote in the run's directory: `eval/after.json` and
-`eval/before.json` (Mean@K / Pass@K per held-out split and `average` of the final RL policy and of the RL start, with
-the Mean@k / Pass@k curves), `metrics.jsonl` (the RL metrics; periodic evaluations as `eval/<split>/<metric>`) and
-`summary.json` (seconds, RL steps). "final" is the last RL checkpoint's value; "best" the maximum over the evaluated
-RL checkpoints, per split and metric, as `trustclip.evaluation.final_and_best` (chosen on the held-out problems
-themselves: optimistic, as in the paper; the report says so).
+A run's numbers come from the files the training pipeline wrote: `eval/after.json` and `eval/before.json` (Mean@K /
+Pass@K per held-out split and their `average`, of the final RL policy and of the RL start, with Mean@k / Pass@k
+curves and, where recorded, the completions' length and entropy), `metrics.jsonl` (RL metrics; periodic evaluations
+as `eval/<split>/<metric>`) and `summary.json`. "final" is the last RL checkpoint; "best" the best evaluated one,
+chosen on the held-out problems themselves (optimistic, as in the paper; the report says so).
 
-Outcomes: `final/<split>/<metric>`, `best/...`, `before/...`, `gain/...` (final - RL start, computed here only),
-`dynamics/<series> (last 10%)` / `(mean)`, `completions/<final|before>/<split>/<length|entropy>` (the held-out
-completions' length and entropy, where the evaluation recorded them), `seconds`, and the per-run scalars of
-`OUTCOMES` that the report compares between groups, paired by seed. A `Group` is the table pivoted to one group:
-outcome -> seed -> value.
+Outcomes: `final|best|before|gain/<split>/<metric>` (gain = final - RL start), `dynamics/<series> (last 10%)|(mean)`,
+`completions/<final|before>/<split>/<length|entropy>`, `seconds`, and the `OUTCOMES` the report compares between
+groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value.
 """
 
 from __future__ import annotations
@@ -26,14 +23,13 @@ import numpy as np
 
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
+from trustclip.compare.stats import Stat, stat
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import series_from_rows
 
-EVAL_PREFIX = "eval/"
 OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
-SERIES = {  # training series of the paper's Figure 2 (names as TRL / trustclip log them), with their labels
+SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log them), with their labels
     names.REWARD: "reward (train)",
     names.ENTROPY: "entropy (nats/token)",
     names.COMPLETION_LENGTH: "completion length (tokens)",
@@ -42,17 +38,17 @@ SERIES = {  # training series of the paper's Figure 2 (names as TRL / trustclip 
     names.CLIP_LOW: "clip fraction low",
     names.CLIP_HIGH: "clip fraction high",
 }
-SECTIONS = ("final", "best", "before", "gain")  # per (split, metric) outcomes
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A per-run scalar that the report compares between groups (`{k}` in the label is the evaluation K)."""
+    """A per-run scalar that the report compares between groups, shown as scale * value in `unit` (`{k}` in the label
+    is the evaluation K)."""
 
     key: str
     label: str
-    scale: float = 100.0  # shown as scale * value ...
-    unit: str = " points"  # ... in this unit
+    scale: float = 100.0
+    unit: str = " points"
     digits: int = 1
 
 
@@ -71,8 +67,7 @@ OUTCOMES = (
     Outcome("eval_length", "held-out completion length, final (tokens)", 1.0, " tokens", 1),
 )
 OPTIONAL = ("eval_entropy", "eval_length")  # only in evaluations that recorded completion stats
-PRIMARY = OUTCOMES[0]
-OUTCOME = {o.key: o for o in OUTCOMES}
+PRIMARY, OUTCOME = OUTCOMES[0], {o.key: o for o in OUTCOMES}
 
 
 class RunDataError(ValueError):
@@ -81,18 +76,17 @@ class RunDataError(ValueError):
 
 @dataclass
 class RunRecord:
-    """The numbers of one finished run."""
+    """The numbers of one finished run; `final`, `best`, `before`: split -> {"mean@K", "pass@K"}, incl. "average"."""
 
     spec: RunSpec
     k: int
-    final: dict[str, dict[str, float]]  # split -> {"mean@K", "pass@K"}, incl. "average"
+    final: dict[str, dict[str, float]]
     best: dict[str, dict[str, float]]
     before: dict[str, dict[str, float]] | None
-    history: dict[int, dict[str, dict[str, float]]]  # RL step -> split -> metric (evaluated checkpoints)
+    history: dict[int, dict[str, dict[str, float]]]  # RL step -> split -> metric, of the evaluated checkpoints
     curves: dict[str, dict[str, list[float]]]  # split -> {"k", "mean", "pass"} of the final policy
-    series: dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), RL stage
+    series: dict[str, tuple[np.ndarray, np.ndarray]]  # RL metric -> (steps, values)
     seconds: dict[str, float]
-    rl_steps: int | None
     completions: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # final|before -> split -> stats
 
     @property
@@ -100,69 +94,59 @@ class RunRecord:
         return f"mean@{self.k}", f"pass@{self.k}"
 
 
-def _eval_file(path: Path) -> dict[str, Any] | None:
+def _eval_file(path: Path, metrics: Sequence[str]) -> tuple[dict[str, Any], dict[str, dict[str, float]]] | None:
     data = read_json(path)
-    if data is not None and not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
+    if data is None:
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
         raise RunDataError(f"{path}: no 'metrics' mapping")
-    return data
+    return data, {s: {m: float(v[m]) for m in metrics} for s, v in data["metrics"].items()}
 
 
-def _history(rows: Sequence[dict[str, Any]], metrics: Sequence[str]) -> dict[int, dict[str, dict[str, float]]]:
-    """Periodic evaluations: `eval/<split>/<metric>` values at their step."""
-    out: dict[int, dict[str, dict[str, float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            split, _, metric = key[len(EVAL_PREFIX):].rpartition("/")
-            if key.startswith(EVAL_PREFIX) and isinstance(value, int | float) and split and metric in metrics:
-                out.setdefault(int(row["step"]), {}).setdefault(split, {})[metric] = float(value)
-    return out
-
-
-def _with_average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
+def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
     """Adds the `average` curve (mean over splits, like the `average` metrics) when every split has the same k."""
     curves = {s: c for s, c in curves.items() if s != AVERAGE}
     if not curves or len({tuple(c.get("k", ())) for c in curves.values()}) != 1:
         return curves
     ks = next(iter(curves.values()))["k"]
-    average = {"k": list(ks)}
-    for kind in ("mean", "pass"):
-        if all(kind in c for c in curves.values()):
-            average[kind] = [float(np.mean([c[kind][i] for c in curves.values()])) for i in range(len(ks))]
+    average = {"k": list(ks)} | {kind: [float(np.mean([c[kind][i] for c in curves.values()])) for i in range(len(ks))]
+                                 for kind in ("mean", "pass") if all(kind in c for c in curves.values())}
     return {**curves, AVERAGE: average}
 
 
 def load_run(spec: RunSpec) -> RunRecord:
     """Numbers of a finished run from its files; raises RunDataError when they are missing."""
-    run_dir = spec.run_dir
-    summary = read_json(run_dir / "summary.json")
+    summary = read_json(spec.run_dir / "summary.json")
     if not isinstance(summary, dict):
-        raise RunDataError(f"{run_dir / 'summary.json'} is missing or unreadable")
+        raise RunDataError(f"{spec.run_dir / 'summary.json'} is missing or unreadable")
     name, _, k = str(summary.get("metric", "")).partition("@")
     if name != "mean" or not k.isdigit():
-        raise RunDataError(f"{run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
+        raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
                            f"{str(summary.get('metric', ''))!r}")
-    after, before = _eval_file(run_dir / "eval" / "after.json"), _eval_file(run_dir / "eval" / "before.json")
-    if after is None:
-        raise RunDataError(f"{run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
-                           "(the recipe must include the rl and eval stages)")
     metrics = (f"mean@{k}", f"pass@{k}")
-    final = {s: {m: float(v[m]) for m in metrics} for s, v in after["metrics"].items()}
+    after, before = (_eval_file(spec.run_dir / "eval" / f"{w}.json", metrics) for w in ("after", "before"))
+    if after is None:
+        raise RunDataError(f"{spec.run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
+                           "(the recipe must include the rl and eval stages)")
     by_step: dict[int, dict[str, Any]] = {}
-    for row in read_jsonl(run_dir / "metrics.jsonl"):
+    for row in read_jsonl(spec.run_dir / "metrics.jsonl"):
         if row.get("stage") == "rl":  # a step logged twice (resumed run) keeps its last values
             by_step.setdefault(int(row["step"]), {}).update(row)
-    rows = [by_step[s] for s in sorted(by_step)]
-    history = _history(rows, metrics)
-    rl_steps = summary.get("rl_steps") if isinstance(summary.get("rl_steps"), int) else None
-    history[rl_steps if rl_steps is not None else max([*history, 0])] = final  # the last checkpoint's evaluation
-    best = {s: {m: max(h[s][m] for h in history.values() if s in h and m in h[s]) for m in metrics} for s in final}
-    return RunRecord(
-        spec=spec, k=int(k), final=final, best=best,
-        before=({s: {m: float(v[m]) for m in metrics} for s, v in before["metrics"].items()} if before else None),
-        history=dict(sorted(history.items())), curves=_with_average_curve(after.get("curves") or {}),
-        series=series_from_rows(rows), seconds={str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
-        rl_steps=rl_steps, completions={when: data["completion_stats"] for when, data in (("final", after),
-                                        ("before", before)) if data and data.get("completion_stats")})
+    history: dict[int, dict[str, dict[str, float]]] = {}
+    for step in sorted(by_step):  # periodic evaluations: eval/<split>/<metric>
+        for key, value in by_step[step].items():
+            split, _, metric = key.removeprefix("eval/").rpartition("/")
+            if key.startswith("eval/") and isinstance(value, int | float) and split and metric in metrics:
+                history.setdefault(step, {}).setdefault(split, {})[metric] = float(value)
+    final = after[1]
+    rl_steps = summary.get("rl_steps")
+    history[rl_steps if isinstance(rl_steps, int) else max([*history, 0])] = final  # the last checkpoint
+    best = {s: {m: max(h[s][m] for h in history.values() if m in h.get(s, {})) for m in metrics} for s in final}
+    return RunRecord(spec, int(k), final, best, before and before[1], dict(sorted(history.items())),
+                     _average_curve(after[0].get("curves") or {}), series_from_rows(by_step.values()),
+                     {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
+                     {w: e[0]["completion_stats"] for w, e in (("final", after), ("before", before))
+                      if e and e[0].get("completion_stats")})
 
 
 def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
@@ -173,36 +157,27 @@ def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
 def run_rows(record: RunRecord) -> dict[str, float]:
     """Every number of one run, outcome -> value. The `OUTCOMES` are on the held-out average (NaN where the run lacks
     the data); a run "collapsed" when its final Mean@K is below its own RL start."""
-    out: dict[str, float] = {}
-    for section in ("final", "best", "before"):
-        for split, values in (getattr(record, section) or {}).items():
-            out.update({f"{section}/{split}/{m}": v for m, v in values.items()})
-    for split, values in (record.before or {}).items():
-        if split in record.final:
-            out.update({f"gain/{split}/{m}": record.final[split][m] - values[m] for m in record.metrics})
-    for key in SERIES:
-        if key in record.series:
-            out[f"dynamics/{key} (last 10%)"] = tail_mean(record.series[key][1])
-            out[f"dynamics/{key} (mean)"] = float(record.series[key][1].mean())
-    for when, splits in record.completions.items():
-        out.update({f"completions/{when}/{split}/{k}": float(v) for split, stats in splits.items()
-                    for k, v in stats.items()})
+    out = {f"{section}/{split}/{m}": v for section in ("final", "best", "before")
+           for split, values in (getattr(record, section) or {}).items() for m, v in values.items()}
+    out |= {f"gain/{split}/{m}": record.final[split][m] - values[m] for split, values in (record.before or {}).items()
+            if split in record.final for m in record.metrics}
+    for key, (_, y) in ((key, record.series[key]) for key in SERIES if key in record.series):
+        out |= {f"dynamics/{key} (last 10%)": tail_mean(y), f"dynamics/{key} (mean)": float(y.mean())}
+    out |= {f"completions/{when}/{split}/{k}": float(v) for when, splits in record.completions.items()
+            for split, stats in splits.items() for k, v in stats.items()}
     out["seconds"] = record.seconds.get("total", math.nan)
     split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
-    mean_k, pass_k = record.metrics
+    (mean_k, pass_k), gain = record.metrics, out.get(f"gain/{split}/{record.metrics[0]}", math.nan)
 
     def series(key: str, reduce: Any) -> float:
         return reduce(record.series[key][1]) if key in record.series else math.nan
 
-    gain = out.get(f"gain/{split}/{mean_k}", math.nan)
-    held_out = {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()}
-    return out | held_out | {
+    return out | {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()} | {
         "mean@K": record.final[split][mean_k], "pass@K": record.final[split][pass_k], "gain": gain,
         "entropy": series(names.ENTROPY, tail_mean), "reward": series(names.REWARD, tail_mean),
         "length": series(names.COMPLETION_LENGTH, tail_mean),
         "clip_frac": series(names.CLIP_ANY, np.mean), "offpolicy_frac": series(OFFPOLICY, np.mean),
-        "collapse": float(gain < 0) if math.isfinite(gain) else math.nan,
-    }
+        "collapse": float(gain < 0) if math.isfinite(gain) else math.nan}
 
 
 def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
@@ -235,15 +210,6 @@ class Group:
     def stat(self, outcome: str) -> Stat:
         return stat(list(self.values.get(outcome, {}).values()))
 
-    def table(self, section: str) -> dict[str, dict[str, Stat]]:
-        """split -> metric -> Stat of one of `SECTIONS`."""
-        out: dict[str, dict[str, Stat]] = {}
-        for key in self.values:
-            if key.startswith(section + "/"):
-                split, metric = key[len(section) + 1:].rsplit("/", 1)
-                out.setdefault(split, {})[metric] = self.stat(key)
-        return out
-
 
 def group_runs(records: Sequence[RunRecord]) -> list[Group]:
     """The finished runs by (objective, sweep value) group, in plan order, each with its pivot of `tidy`."""
@@ -260,13 +226,9 @@ def group_runs(records: Sequence[RunRecord]) -> list[Group]:
     return list(groups.values())
 
 
-def title_of(split: str) -> str:
-    return "Average" if split == AVERAGE else split
-
-
-def metric_title(metric: str) -> str:
-    name, _, k = metric.partition("@")
-    return f"{name.capitalize()}@{k}"
+def outcomes_of(groups: Sequence[Group]) -> list[Outcome]:
+    """The `OUTCOMES` the runs have: the optional ones only where some run recorded them."""
+    return [o for o in OUTCOMES if o.key not in OPTIONAL or any(o.key in g.values for g in groups)]
 
 
 def splits_of(records: Sequence[RunRecord]) -> list[str]:
@@ -275,35 +237,10 @@ def splits_of(records: Sequence[RunRecord]) -> list[str]:
     return [*found, AVERAGE] if any(AVERAGE in r.final for r in records) else found
 
 
-def outcomes_of(groups: Sequence[Group]) -> list[Outcome]:
-    """The `OUTCOMES` the runs have: the optional ones only where some run recorded them."""
-    return [o for o in OUTCOMES if o.key not in OPTIONAL or any(o.key in g.values for g in groups)]
+def title_of(split: str) -> str:
+    return "Average" if split == AVERAGE else split
 
 
-def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
-    """Every outcome of every other group against the reference group, paired by seed (runs of one seed start RL
-    from the same SFT model), in group then outcome order."""
-    ref = next(g for g in groups if g.group == reference)
-    return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
-                              outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
-
-
-def score_matrix(group: Group, metric: str, splits: Sequence[str]) -> np.ndarray:
-    """Final `metric` of each run (rows) on each held-out split (columns), runs lacking a split left out."""
-    return np.array([[r.final[s][metric] for s in splits] for r in group.runs if all(s in r.final for s in splits)])
-
-
-def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
-                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
-    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) scores of
-    the held-out splits (not their average: rliable aggregates over tasks)."""
-    tasks = [s for s in splits if s != AVERAGE] or list(splits)
-    ref = next(g for g in groups if g.group == reference)
-    out: dict[str, dict[str, dict[str, Estimate]]] = {}
-    for g in groups:
-        scores = {m: score_matrix(g, m, tasks) for m in metrics}
-        out[g.group] = {"iqm": {m: iqm(x) for m, x in scores.items() if x.size}}
-        if g is not ref:
-            out[g.group]["poi"] = {m: probability_of_improvement(x, score_matrix(ref, m, tasks))
-                                   for m, x in scores.items() if x.size and score_matrix(ref, m, tasks).size}
-    return out
+def metric_title(metric: str) -> str:
+    name, _, k = metric.partition("@")
+    return f"{name.capitalize()}@{k}"

@@ -1,14 +1,12 @@
-"""Statistics of a comparison over seeds: paired differences with small-sample bootstrap intervals, the seeds a
-difference would need, and rliable's aggregates. scipy does the statistics; this module states the design.
+"""Statistics of a comparison over seeds (scipy does them; this docstring states the design).
 
 - **Paired by seed.** The runs of one seed share their SFT start, so a group is compared with the reference through
-  the per-seed differences (group - reference) on the seeds both have: the seed-to-seed variation of the start
-  cancels, and resampling the differences resamples seeds in pairs.
+  the per-seed differences (group - reference) on the seeds both have: the start's variation cancels, and
+  resampling the differences resamples seeds in pairs.
 - **Interval: studentised bootstrap (bootstrap-t)** of the mean difference (Efron & Tibshirani 1993, ch. 12;
-  Hesterberg 2015, Am. Stat. 69(4)): t* = (mean* - mean) / se* per resample, interval [mean - q(1 - a/2) se,
-  mean - q(a/2) se]. Percentile-type intervals (percentile, BCa, expanded percentile) stay inside the sample range,
-  which holds a symmetric distribution's mean with probability 1 - 2^(1-n) only (93.75 % at n = 5). Coverage of a
-  nominal 95 % at n = 5 (benchmarks/interval_coverage.py, 1,000 experiments per row; tests/test_stats.py, 200):
+  Hesterberg 2015, Am. Stat. 69(4)). Percentile-type intervals stay inside the sample range, which holds a symmetric
+  distribution's mean with probability 1 - 2^(1-n) only. Coverage of a nominal 95 % at n = 5
+  (benchmarks/interval_coverage.py, 1,000 experiments per row):
 
       differences      percentile  BCa   expanded  bootstrap-t  paired t
       normal              83 %     82 %    91 %       94 %        95 %
@@ -16,16 +14,15 @@ difference would need, and rliable's aggregates. scipy does the statistics; this
       lognormal           74 %     75 %    83 %       91 %        84 %
       t(3)                83 %     80 %    92 %       94 %        96 %
 
-  The price: it is wider (median 3.0 sd of the differences at n = 5, against 2.3 for the t-interval). A resample
-  repeating one seed has no spread (t* infinite), so at n <= 3 the interval is unbounded.
-- **Verdicts follow from the interval alone** (`Difference.verdict`): higher / lower when it excludes 0; not
-  adjusted for multiplicity (the report says how many intervals it gives).
+  The price: it is wider (median 3.0 sd of the differences at n = 5, 2.3 for the t-interval), and unbounded at
+  n <= 3 (a resample repeating one seed has no spread).
+- **Verdicts follow from the interval alone**: higher / lower when it excludes 0; not adjusted for multiplicity.
 - **Seeds needed**: the n at which a two-sided paired t-test at alpha 0.05 has power 0.8 for the observed mean and
-  sd of the differences (noncentral t); a planning figure, an order of size.
-- **Aggregates** (rliable; Agarwal et al. 2021, arXiv 2108.13264): the interquartile mean of all (seed x split)
-  scores and the probability of improvement P(X > Y) (Mann-Whitney U / (n m), averaged over splits), with
-  percentile intervals of a stratified bootstrap: they describe, the paired intervals decide. (rliable itself is not
-  a dependency: it pulls arch, seaborn and absl for two formulas restated here with scipy.)
+  sd of the differences (noncentral t; Cohen 1988): a planning figure.
+- **Aggregates** (rliable; Agarwal et al. 2021, arXiv 2108.13264): the interquartile mean of the (seed x split)
+  scores and P(X > Y) (Mann-Whitney U / (n m), averaged over splits), with stratified-bootstrap percentile
+  intervals: they describe, the paired intervals decide. (rliable is no dependency: it pulls arch, seaborn and absl
+  for two formulas.)
 """
 
 from __future__ import annotations
@@ -44,13 +41,11 @@ ALPHA, POWER = 0.05, 0.8  # the paired t-test whose power defines "seeds needed"
 MAX_SEEDS = 10_000  # beyond this, "seeds needed" is reported as more than MAX_SEEDS
 RESAMPLES = 9_999  # bootstrap resamples (scipy's default)
 BOOTSTRAP_SEED = 0  # fixed: a rebuilt report shows the same intervals
-IQM_TRIM = 0.25  # trimmed from each end for the interquartile mean
 
 
-# -------------------------------------------------------------------------------------------- per group
 @dataclass(frozen=True)
 class Stat:
-    """Summary of one quantity over seeds (std is the sample std, NaN for a single seed)."""
+    """One quantity over seeds (std: the sample std, NaN for one seed)."""
 
     values: tuple[float, ...]
 
@@ -66,36 +61,29 @@ class Stat:
     def std(self) -> float:
         return float(np.std(self.values, ddof=1)) if self.n >= 2 else math.nan
 
-    def to_dict(self) -> dict[str, float | int | list[float]]:
-        return {"mean": self.mean, "std": self.std, "n": self.n, "min": min(self.values, default=math.nan),
-                "max": max(self.values, default=math.nan), "values": list(self.values)}
-
 
 def stat(values: Sequence[float]) -> Stat:
     """Stat of the finite values (NaN and None are dropped)."""
     return Stat(tuple(float(v) for v in values if v is not None and math.isfinite(float(v))))
 
 
-# ------------------------------------------------------------------------------------ paired differences
-def _studentised_mean(differences: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Mean and standard error of the mean along `axis`."""
-    n = differences.shape[axis]
-    return differences.mean(axis=axis), differences.std(axis=axis, ddof=1) / math.sqrt(n)
+def _mean_se(d: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    return d.mean(axis=axis), d.std(axis=axis, ddof=1) / math.sqrt(d.shape[axis])
 
 
 def bootstrap_t_interval(differences: Sequence[float], level: float = LEVEL) -> tuple[float, float]:
-    """Studentised bootstrap interval of the mean of per-seed paired differences (resampling the differences
-    resamples seeds in pairs; `scipy.stats.bootstrap` draws the resamples). Bounds are +-inf when more than
-    a/2 of the resamples have no spread (n <= 3); a point when the differences have no spread at all."""
+    """Studentised bootstrap interval of the mean of per-seed differences: t* = (mean* - mean) / se* per resample
+    (`scipy.stats.bootstrap` draws them), interval [mean - q(1 - a/2) se, mean - q(a/2) se]. +-inf bounds when more
+    than a/2 of the resamples have no spread (n <= 3); a point when the differences have none."""
     d = np.asarray(differences, float)
     if d.size < 2:
         raise ValueError(f"a paired interval needs at least 2 paired seeds, got {d.size}")
-    mean, se = _studentised_mean(d)
-    if np.ptp(d) == 0:  # every seed gives the same difference
+    mean, se = _mean_se(d)
+    if np.ptp(d) == 0:
         return float(d[0]), float(d[0])
 
     def t_star(sample: np.ndarray, axis: int = -1) -> np.ndarray:
-        m, s = _studentised_mean(sample, axis)
+        m, s = _mean_se(sample, axis)
         spread = s > 1e-6 * se  # below: one seed repeated n times, up to rounding; t* = +-inf
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(spread, (m - mean) / s, np.select([m > mean, m < mean], [np.inf, -np.inf], 0.0))
@@ -111,14 +99,12 @@ def bootstrap_t_interval(differences: Sequence[float], level: float = LEVEL) -> 
 
 def seeds_needed(mean: float, sd: float, alpha: float = ALPHA, power: float = POWER,
                  max_n: int = MAX_SEEDS) -> int | None:
-    """Smallest n at which a two-sided paired t-test at `alpha` has `power` for a true mean difference `mean`
-    with standard deviation of differences `sd` (noncentral t: T ~ nct(n - 1, mean / sd * sqrt(n))).
-    None when not estimable (sd 0 or not finite, mean 0) or more than `max_n`."""
+    """Smallest n at which a two-sided paired t-test at `alpha` has `power` for a true mean difference `mean` with
+    sd of differences `sd` (T ~ nct(n - 1, mean / sd * sqrt(n))); None when not estimable or above `max_n`."""
     if not (math.isfinite(mean) and math.isfinite(sd)) or sd <= 0 or mean == 0:
         return None
     n = np.arange(2, max_n + 1)
-    critical = sps.t.ppf(1 - alpha / 2, n - 1)
-    noncentrality = abs(mean) / sd * np.sqrt(n)
+    critical, noncentrality = sps.t.ppf(1 - alpha / 2, n - 1), abs(mean) / sd * np.sqrt(n)
     achieved = sps.nct.sf(critical, n - 1, noncentrality) + sps.nct.cdf(-critical, n - 1, noncentrality)
     enough = np.flatnonzero(achieved >= power)
     return int(n[enough[0]]) if enough.size else None
@@ -126,14 +112,15 @@ def seeds_needed(mean: float, sd: float, alpha: float = ALPHA, power: float = PO
 
 @dataclass(frozen=True)
 class Difference:
-    """Paired difference of one outcome, group - reference, over the seeds both have."""
+    """Paired differences of one outcome, group - reference, on the seeds both have, with their interval (NaN below 2
+    seeds)."""
 
     group: str
     reference: str
     outcome: str
     seeds: tuple[int, ...]
     differences: tuple[float, ...]
-    low: float  # 95 % bootstrap-t interval of the mean difference (NaN below 2 seeds)
+    low: float
     high: float
 
     @property
@@ -154,58 +141,51 @@ class Difference:
 
     @property
     def verdict(self) -> str:
-        """'higher' / 'lower' (interval excludes 0), 'identical' (every difference exactly 0), 'not resolved'
-        (interval includes 0), 'no interval' (fewer than 2 paired seeds)."""
+        """higher / lower (the interval excludes 0), identical (every difference 0), not resolved, no interval."""
         if self.n and not any(self.differences):
             return "identical"
         if self.n < 2:
             return "no interval"
-        if self.low > 0:
-            return "higher"
-        if self.high < 0:
-            return "lower"
-        return "not resolved"
+        return "higher" if self.low > 0 else "lower" if self.high < 0 else "not resolved"
 
     def to_dict(self) -> dict[str, Any]:
         return {"group": self.group, "reference": self.reference, "outcome": self.outcome, "n": self.n,
                 "seeds": list(self.seeds), "differences": list(self.differences), "mean": self.mean, "sd": self.sd,
                 "low": self.low, "high": self.high, "bounded": math.isfinite(self.low) and math.isfinite(self.high),
-                "level": LEVEL, "verdict": self.verdict,
-                "seeds_needed": self.seeds_needed}
+                "level": LEVEL, "verdict": self.verdict, "seeds_needed": self.seeds_needed}
+
+
+def _difference(group: str, ref: str, outcome: str, seeds: Sequence[int], values: Sequence[float]) -> Difference:
+    # rounded to 12 decimals: float rounding (0.6 + 0.03 - (0.2 + 0.03) != 0.4) is no seed-to-seed spread; + 0.0: no -0
+    values = tuple(round(float(v), 12) + 0.0 for v in values)
+    low, high = bootstrap_t_interval(values) if len(values) >= 2 else (math.nan, math.nan)
+    return Difference(group, ref, outcome, tuple(seeds), values, low, high)
 
 
 def paired_difference(values: Mapping[int, float], reference: Mapping[int, float], *, group: str, ref: str,
                       outcome: str) -> Difference:
-    """Difference values - reference on the seeds where both are finite, with its interval. Differences are
-    rounded to 12 decimals: float rounding (0.6 + 0.03 - (0.2 + 0.03) != 0.4) is no seed-to-seed spread."""
-    seeds = tuple(s for s in sorted(set(values) & set(reference))
-                  if math.isfinite(values[s]) and math.isfinite(reference[s]))
-    differences = tuple(round(float(values[s]) - float(reference[s]), 12) + 0.0 for s in seeds)  # + 0.0: no -0.0
-    low, high = bootstrap_t_interval(differences) if len(seeds) >= 2 else (math.nan, math.nan)
-    return Difference(group, ref, outcome, seeds, differences, low, high)
+    """values - reference on the seeds where both are finite, with its interval."""
+    seeds = [s for s in sorted(set(values) & set(reference))
+             if math.isfinite(values[s]) and math.isfinite(reference[s])]
+    return _difference(group, ref, outcome, seeds, [float(values[s]) - float(reference[s]) for s in seeds])
 
 
 def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group: str,
                 outcome: str) -> tuple[Difference, bool]:
-    """Trend of an outcome over a swept setting, one test for the whole sweep (where comparing every pair of
-    values makes k(k-1)/2 intervals): per seed, the least-squares slope of the outcome on log10(value) (on the
-    value itself when a value is <= 0 or the values span less than a factor 10), then the bootstrap-t interval
-    of the mean slope over the seeds that have every value. Returns the slopes as a `Difference` against
-    'no trend' (verdict 'higher' = increasing, 'lower' = decreasing) and whether the scale is log10."""
+    """One test for a whole sweep (pairs of values would make k(k-1)/2 intervals): per seed with every value, the
+    least-squares slope of the outcome on log10(value) (on the value when one is <= 0 or they span less than 10x),
+    as a `Difference` against "no trend"; and whether the scale is log10."""
     values = sorted(float(v) for v in outcome_by_value)
     if len(values) < 3:
         raise ValueError(f"a sweep trend needs at least 3 swept values, got {len(values)}")
     log = values[0] > 0 and values[-1] / values[0] >= 10
     x = np.log10(values) if log else np.asarray(values)
-    seeds = tuple(sorted(set.intersection(*(
-        {s for s, y in outcome_by_value[v].items() if y is not None and math.isfinite(y)} for v in values))))
-    slopes = tuple(round(float(np.polyfit(x, [outcome_by_value[v][s] for v in values], 1)[0]), 12) + 0.0
-                   for s in seeds)
-    low, high = bootstrap_t_interval(slopes) if len(seeds) >= 2 else (math.nan, math.nan)
-    return Difference(group, "no trend", outcome, seeds, slopes, low, high), log
+    seeds = sorted(set.intersection(*({s for s, y in outcome_by_value[v].items() if y is not None and math.isfinite(y)}
+                                      for v in values)))
+    slopes = [np.polyfit(x, [outcome_by_value[v][s] for v in values], 1)[0] for s in seeds]
+    return _difference(group, "no trend", outcome, seeds, slopes), log
 
 
-# ------------------------------------------------------------------------------------------- aggregates
 @dataclass(frozen=True)
 class Estimate:
     """A point estimate with its percentile bootstrap interval (NaN when not computable)."""
@@ -218,41 +198,34 @@ class Estimate:
         return {"value": self.value, "low": self.low, "high": self.high, "level": LEVEL}
 
 
-def _stratified(samples: Sequence[np.ndarray], statistic: Callable[..., np.ndarray]) -> Estimate:
-    """statistic(*samples) with a percentile interval from resampling each sample (stratum) on its own."""
-    value = float(statistic(*samples))
-    if min(len(s) for s in samples) < 2:
+def _stratified(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray]) -> Estimate:
+    """statistic(*columns), with a percentile interval from resampling each column (stratum) on its own."""
+    value = float(statistic(*columns))
+    if min(len(c) for c in columns) < 2:
         return Estimate(value, math.nan, math.nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sps.DegenerateDataWarning)  # all resamples equal: a point interval
-        ci = sps.bootstrap(tuple(samples), statistic, vectorized=True, n_resamples=RESAMPLES, method="percentile",
+        ci = sps.bootstrap(tuple(columns), statistic, vectorized=True, n_resamples=RESAMPLES, method="percentile",
                            confidence_level=LEVEL, rng=np.random.default_rng(BOOTSTRAP_SEED)).confidence_interval
     low, high = (value, value) if np.isnan(ci.low) and np.isnan(ci.high) else (float(ci.low), float(ci.high))
     return Estimate(value, low, high)
 
 
 def iqm(scores: np.ndarray) -> Estimate:
-    """Interquartile mean of a (seeds x splits) score matrix, with a stratified bootstrap interval (seeds
-    resampled within each split, as rliable's StratifiedBootstrap)."""
+    """Interquartile mean of a (seeds x splits) score matrix; seeds resampled within each split (rliable's
+    StratifiedBootstrap)."""
     scores = np.asarray(scores, float)
-
-    def statistic(*columns: np.ndarray, axis: int = -1) -> np.ndarray:
-        return sps.trim_mean(np.concatenate(columns, axis=axis), IQM_TRIM, axis=axis)
-
-    return _stratified([scores[:, j] for j in range(scores.shape[1])], statistic)
+    return _stratified(list(scores.T), lambda *c, axis=-1: sps.trim_mean(np.concatenate(c, axis=axis), 0.25, axis=axis))
 
 
 def probability_of_improvement(x: np.ndarray, y: np.ndarray) -> Estimate:
-    """rliable's P(X > Y) for (seeds x splits) score matrices x (group) and y (reference): the average over
-    splits of U / (n m), U the Mann-Whitney statistic of x's column against y's (ties count one half), with a
-    stratified bootstrap interval (each group's seeds resampled within each split)."""
+    """rliable's P(X > Y) for (seeds x splits) scores of a group `x` and the reference `y`: the mean over splits of
+    U / (n m), U the Mann-Whitney statistic (ties count one half); each group's seeds resampled within each split."""
     x, y = np.asarray(x, float), np.asarray(y, float)
-    splits = x.shape[1]
+    k = x.shape[1]
 
-    def statistic(*columns: np.ndarray, axis: int = -1) -> np.ndarray:
-        xs, ys = columns[:splits], columns[splits:]
-        u = [sps.mannwhitneyu(a, b, axis=axis, method="asymptotic").statistic / (a.shape[axis] * b.shape[axis])
-             for a, b in zip(xs, ys, strict=True)]
-        return np.mean(u, axis=0)
+    def statistic(*c: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.mean([sps.mannwhitneyu(a, b, axis=axis, method="asymptotic").statistic
+                        / (a.shape[axis] * b.shape[axis]) for a, b in zip(c[:k], c[k:], strict=True)], axis=0)
 
-    return _stratified([x[:, j] for j in range(splits)] + [y[:, j] for j in range(splits)], statistic)
+    return _stratified([*x.T, *y.T], statistic)
