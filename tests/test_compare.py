@@ -479,7 +479,7 @@ def test_report_cells_match_the_runs_numbers(fake_env):
     # results.json / csv hold the same numbers unrounded.
     results = json.loads((out / "results.json").read_text())
     clip = next(g for g in results["groups"] if g["group"] == "clip")
-    assert clip["final"]["s1"]["mean@2"]["values"] == pytest.approx([value("clip", s, 0) for s in seeds])
+    assert clip["values"]["final/s1/mean@2"] == pytest.approx({str(s): value("clip", s, 0) for s in seeds})
     assert clip["seeds"] == [0, 1, 2]
     csv_text = (out / "results.csv").read_text()
     assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
@@ -540,7 +540,7 @@ def test_paired_comparisons_intervals_and_aggregates(fake_env, monkeypatch):
     assert (entry["low"], entry["high"]) == pytest.approx((expected.low, expected.high))
     assert entry["differences"] == pytest.approx(list(expected.differences))
     assert results["aggregates"]["atr"]["poi"]["mean@2"]["value"] == 1.0
-    assert results["groups"][1]["outcomes"]["mean@K"]["3"] == pytest.approx(average("kl3", 3, delta=0.07))
+    assert results["groups"][1]["values"]["mean@K"]["3"] == pytest.approx(average("kl3", 3, delta=0.07))
     csv_text = (fake_env / "results.csv").read_text()
     assert f"paired vs clip,atr,kl3,,,,,mean@K,low,{entry['low']}" in csv_text
     assert "paired vs clip,atr,kl3,,,,,mean@K,verdict,higher" in csv_text
@@ -623,7 +623,7 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
     for report in ("first", "second"):
         results = json.loads((fake_env / report / "results.json").read_text())
         clip = next(g for g in results["groups"] if g["group"] == "clip")
-        assert clip["final"]["average"]["mean@2"]["values"] == pytest.approx([average("clip", 0), average("clip", 1)])
+        assert clip["values"]["final/average/mean@2"] == pytest.approx({str(s): average("clip", s) for s in (0, 1)})
     saved = json.loads((fake_env / "second" / "compare.json").read_text())
     assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
 
@@ -838,8 +838,7 @@ def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
 def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, monkeypatch):
     """An evaluation with completion stats gives the runs `eval_length` / `eval_entropy` outcomes (the held-out
     average), compared with the reference paired by seed; runs evaluated without them keep the old outcome list."""
-    from trustclip.compare.report import paired_comparisons
-    from trustclip.compare.results import OPTIONAL, group_runs, load_run, outcomes_of, run_rows
+    from trustclip.compare.results import OPTIONAL, group_runs, load_run, outcomes_of, paired_comparisons, run_rows
 
     settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
     runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]

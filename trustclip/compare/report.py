@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from trustclip import metric_names as names
 from trustclip.compare.figures import FIGURES_DIR, make_figures
 from trustclip.compare.plan import RunSpec, format_value, resolve_reference
@@ -30,9 +28,12 @@ from trustclip.compare.results import (
     Group,
     Outcome,
     RunRecord,
+    group_aggregates,
     metric_title,
     outcomes_of,
+    paired_comparisons,
     splits_of,
+    start_stats,
     tidy,
     title_of,
 )
@@ -43,9 +44,7 @@ from trustclip.compare.stats import (
     Difference,
     Estimate,
     Stat,
-    iqm,
     paired_difference,
-    probability_of_improvement,
     stat,
     sweep_trend,
 )
@@ -310,126 +309,7 @@ def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, 
         for g in groups])
 
 
-# ---------------------------------------------------------------------------------------------- statistics
-def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
-    """Every outcome of every other group against the reference group, paired by seed, in group then outcome
-    order."""
-    ref = next(g for g in groups if g.group == reference)
-    return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
-                              outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
-
-
-def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
-                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
-    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) final
-    scores of the held-out splits (not their average: rliable aggregates over tasks)."""
-    tasks = [s for s in splits if s != AVERAGE] or list(splits)
-
-    def scores(g: Group, metric: str) -> np.ndarray:  # runs (rows) lacking a split are left out
-        return np.array([[r.final[s][metric] for s in tasks] for r in g.runs if all(s in r.final for s in tasks)])
-
-    ref = next(g for g in groups if g.group == reference)
-    out: dict[str, dict[str, dict[str, Estimate]]] = {}
-    for g in groups:
-        out[g.group] = {"iqm": {m: iqm(x) for m in metrics if (x := scores(g, m)).size}}
-        if g is not ref:
-            out[g.group]["poi"] = {m: probability_of_improvement(x, y) for m in metrics
-                                   if (x := scores(g, m)).size and (y := scores(ref, m)).size}
-    return out
-
-
-def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
-    """RL-start (SFT) metric per split over distinct seeds, and the largest disagreement between runs of the same
-    seed (0 when SFT is deterministic per seed: every objective starts from the same model)."""
-    per_seed: dict[int, list[dict[str, dict[str, float]]]] = {}
-    for r in (r for g in groups for r in g.runs if r.before):
-        per_seed.setdefault(r.spec.seed, []).append(r.before)
-    spread = max((abs(a[s][metric] - b[s][metric]) for bs in per_seed.values() for a in bs for b in bs
-                  for s in splits if s in a and s in b), default=0.0)
-    return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
-
-
 # ----------------------------------------------------------------------------------------------- the files
-def _setting_lines(settings: dict[str, Any], records: Sequence[RunRecord], sft_runs: Sequence[RunSpec]) -> list[str]:
-    cfg = records[0].spec.config
-    rl, ev, data = cfg["rl"], cfg["eval"], cfg["data"]
-    seconds = stat([r.seconds.get("total", math.nan) for r in records])
-    sft = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
-                if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
-    return [
-        f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
-        f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
-        f"- Model `{cfg['model']['name_or_path']}`; SFT "
-        f"{cfg['sft']['max_steps'] if 'sft' in cfg['stages'] or records[0].spec.depends_on else 0} "
-        f"steps; RL {rl['max_steps']} steps, G = {rl['num_generations']}, mu = {rl['num_iterations']}, "
-        f"lr = {rl['learning_rate']:g}, aggregation {rl['aggregation']}, advantages {rl['advantage_estimator']}",
-        f"- Train data `{data['train']}`; held-out `{', '.join(data['eval'])}`"
-        + (f" (first {data['eval_limit']} problems each)" if data.get("eval_limit") else ""),
-        f"- Evaluation: K = {ev['k']}, {ev.get('n_samples') or ev['k']} samples per problem, temperature "
-        f"{ev['temperature']:g}, top-p {ev['top_p']:g}, max {ev['max_new_tokens']} new tokens, sampling seed "
-        f"{ev['seed']}",
-        f"- Training seeds: {', '.join(map(str, sorted({r.spec.seed for r in records})))}; only the objective"
-        + (f", its hyper-parameters and `{settings['sweep']}`" if settings.get("sweep")
-           else " and its hyper-parameters") + " differ between runs",
-        f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
-        f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs",
-        *([f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model ({len(sft_runs)} SFT "
-           f"run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in the seconds per run below)"]
-          if sft_runs else []),
-    ]
-
-
-def _statistics(groups: Sequence[Group], metrics: Sequence[str], reference: str, diffs: Sequence[Difference],
-                aggregates: dict, k: int) -> list[str]:
-    if not any(g.group == reference for g in groups):
-        return [f"## Paired comparisons against {reference}", "", f"_{reference} has no finished run yet._", ""]
-    return [f"## Paired comparisons against {reference}", "", paired_table(diffs, k), "",
-            *[f"{line}\n" for line in method_lines(reference, k)],
-            f"## IQM and probability of improvement over {reference} (rliable)", "",
-            aggregates_table(groups, aggregates, reference, metrics), "",
-            "IQM: interquartile mean of the final scores of every (seed, held-out split), in %. "
-            f"P(group > {reference}): probability that a run of the group scores higher than a run of "
-            f"{reference} on a split (ties count one half), averaged over splits (Agarwal et al. 2021, "
-            f"arXiv 2108.13264). Brackets: {LEVEL:.0%} percentile intervals of a stratified bootstrap (seeds "
-            "resampled within each split), descriptive: with a handful of seeds they are too narrow, and the "
-            "verdicts come from the paired intervals above.", ""]
-
-
-def _markdown(records: Sequence[RunRecord], groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str],
-              setting: Sequence[str], text: Sequence[str], figs: Sequence[Path], out: Path, start: dict[str, Stat],
-              missing: Sequence[str], failed: dict[str, str], statistics: Sequence[str]) -> str:
-    m0, m1 = (metric_title(m) for m in metrics)
-    parts = ["# trustclip compare: " + ", ".join(g.group for g in groups), "", "## Setting", "", *setting, "",
-             "## Findings (generated from the numbers below)", "", *[f"- {t}" for t in text], ""]
-    if missing:
-        parts += [f"**Missing runs ({len(missing)}):** " + ", ".join(missing), ""]
-        parts += [f"- {run_id}: {why}" for run_id, why in failed.items()] + ([""] if failed else [])
-    parts += [f"## Table 2 style: final (best) {m0} / {m1} in %, mean over seeds", "",
-              table2(groups, splits, metrics), "",
-              "Final = last RL checkpoint; best = best evaluated RL checkpoint (see Findings). "
-              "Average = mean over the held-out splits.", "",
-              f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
-              table3(groups, splits, metrics[0], start), "",
-              f"Final {m1} in %, mean ± std over seeds:", "", table3(groups, splits, metrics[1]), "",
-              *statistics, "## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), ""]
-    if (held_out := completions_table(groups)) is not None:
-        parts += ["## Held-out completions (mean ± std over seeds)", "", held_out, "",
-                  "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
-                  "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens.",
-                  ""]
-    singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
-    parts += ["## Figures", "", *(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
-    if singles:
-        parts += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles)]
-    return "\n".join([*parts, "", "## Runs", "", runs_table(records, splits), "", "## Files", "",
-                      "- `results.json`: every number above (fractions, unrounded; per seed and per group); "
-                      "`results.csv`: one row per number of a run, then the paired comparisons and IQM / "
-                      "P(improvement)",
-                      "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures",
-                      "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, "
-                      "metrics.jsonl, eval/, plots/, checkpoints)", ""])
-
-
 def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
              aggregates: dict | None = None) -> list[dict[str, Any]]:
     """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
@@ -468,27 +348,83 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     out, failed = Path(out), failed or {}
     if not records:
         raise ValueError("no finished runs to report on")
-    splits, metrics, k = splits_of(records), list(records[0].metrics), records[0].k
+    splits, metrics, k, cfg = splits_of(records), list(records[0].metrics), records[0].k, records[0].spec.config
+    (m0, m1), rl, ev, data = (metric_title(m) for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
     reference = reference or resolve_reference(None, [(g.group, g.label, g.objective) for g in groups])
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
     aggregates = group_aggregates(groups, reference, splits, metrics) if finished_reference else {}
     figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES_DIR, window)
     start, start_spread = start_stats(groups, splits, metrics[0])
-    done = {r.spec.run_id for r in records}
-    missing = [s.run_id for s in planned if s.run_id not in done]
-    text = findings(groups, splits, metrics, len(planned), len(records), records[0].spec.config["rl"].get(
-        "eval_every"), reference, diffs)
+    missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
+    text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
     if start_spread > 1e-9:
-        text.append(f"Runs of the same seed started RL from SFT models whose {metric_title(metrics[0])} differs by "
-                    f"up to {fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
-    md = _markdown(records, groups, splits, metrics, _setting_lines(settings, records, sft_runs), text, figs, out,
-                   start, missing, failed, _statistics(groups, metrics, reference, diffs, aggregates, k))
-    return {"report": write_text_atomic(out / "report.md", md),
+        text.append(f"Runs of the same seed started RL from SFT models whose {m0} differs by up to "
+                    f"{fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
+    seconds = stat([r.seconds.get("total", math.nan) for r in records])
+    sft = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
+                if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
+    md = ["# trustclip compare: " + ", ".join(g.group for g in groups), "", "## Setting", "",
+          f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
+          f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
+          f"- Model `{cfg['model']['name_or_path']}`; SFT "
+          f"{cfg['sft']['max_steps'] if 'sft' in cfg['stages'] or records[0].spec.depends_on else 0} "
+          f"steps; RL {rl['max_steps']} steps, G = {rl['num_generations']}, mu = {rl['num_iterations']}, "
+          f"lr = {rl['learning_rate']:g}, aggregation {rl['aggregation']}, advantages {rl['advantage_estimator']}",
+          f"- Train data `{data['train']}`; held-out `{', '.join(data['eval'])}`"
+          + (f" (first {data['eval_limit']} problems each)" if data.get("eval_limit") else ""),
+          f"- Evaluation: K = {ev['k']}, {ev.get('n_samples') or ev['k']} samples per problem, temperature "
+          f"{ev['temperature']:g}, top-p {ev['top_p']:g}, max {ev['max_new_tokens']} new tokens, sampling seed "
+          f"{ev['seed']}",
+          f"- Training seeds: {', '.join(map(str, sorted({r.spec.seed for r in records})))}; only the objective"
+          + (f", its hyper-parameters and `{settings['sweep']}`" if settings.get("sweep")
+             else " and its hyper-parameters") + " differ between runs",
+          f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
+          f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs",
+          *([f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model ({len(sft_runs)} "
+             f"SFT run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in the seconds per run below)"]
+            if sft_runs else []), "",
+          "## Findings (generated from the numbers below)", "", *[f"- {t}" for t in text], ""]
+    if missing:
+        md += [f"**Missing runs ({len(missing)}):** " + ", ".join(missing), ""]
+        md += [f"- {run_id}: {why}" for run_id, why in failed.items()] + ([""] if failed else [])
+    md += [f"## Table 2 style: final (best) {m0} / {m1} in %, mean over seeds", "", table2(groups, splits, metrics),
+           "", "Final = last RL checkpoint; best = best evaluated RL checkpoint (see Findings). Average = mean over "
+           "the held-out splits.", "", f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
+           table3(groups, splits, metrics[0], start), "", f"Final {m1} in %, mean ± std over seeds:", "",
+           table3(groups, splits, metrics[1]), "", f"## Paired comparisons against {reference}", ""]
+    if not finished_reference:
+        md += [f"_{reference} has no finished run yet._", ""]
+    else:
+        md += [paired_table(diffs, k), "", *[f"{line}\n" for line in method_lines(reference, k)],
+               f"## IQM and probability of improvement over {reference} (rliable)", "",
+               aggregates_table(groups, aggregates, reference, metrics), "",
+               "IQM: interquartile mean of the final scores of every (seed, held-out split), in %. "
+               f"P(group > {reference}): probability that a run of the group scores higher than a run of {reference} "
+               "on a split (ties count one half), averaged over splits (Agarwal et al. 2021, arXiv 2108.13264). "
+               f"Brackets: {LEVEL:.0%} percentile intervals of a stratified bootstrap (seeds resampled within each "
+               "split), descriptive: with a handful of seeds they are too narrow, and the verdicts come from the "
+               "paired intervals above.", ""]
+    md += ["## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), ""]
+    if (held_out := completions_table(groups)) is not None:
+        md += ["## Held-out completions (mean ± std over seeds)", "", held_out, "",
+               "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
+               "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens.", ""]
+    singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
+    md += ["## Figures", "", *(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
+    if singles:
+        md += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles)]
+    md += ["", "## Runs", "", runs_table(records, splits), "", "## Files", "",
+           "- `results.json`: every number above (fractions, unrounded; per seed and per group); `results.csv`: one "
+           "row per number of a run, then the paired comparisons and IQM / P(improvement)",
+           "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures",
+           "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, metrics.jsonl, eval/, "
+           "plots/, checkpoints)", ""]
+    return {"report": write_text_atomic(out / "report.md", "\n".join(md)),
             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
-            "json": write_json_atomic(out / "results.json", {
+            "json": write_json_atomic(out / "results.json", {  # the tidy table's pivots; every run's files: its dir
                 "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],

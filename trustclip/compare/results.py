@@ -8,7 +8,8 @@ chosen on the held-out problems themselves (optimistic, as in the paper; the rep
 
 Outcomes: `final|best|before|gain/<split>/<metric>` (gain = final - RL start), `dynamics/<series> (last 10%)|(mean)`,
 `completions/<final|before>/<split>/<length|entropy>`, `seconds`, and the `OUTCOMES` the report compares between
-groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value.
+groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value; the statistics over
+groups (paired comparisons, rliable's aggregates, the RL start) are computed from it here, and worded in `report`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Stat, stat
+from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import series_from_rows
@@ -94,13 +95,11 @@ class RunRecord:
         return f"mean@{self.k}", f"pass@{self.k}"
 
 
-def _eval_file(path: Path, metrics: Sequence[str]) -> tuple[dict[str, Any], dict[str, dict[str, float]]] | None:
+def _eval_file(path: Path) -> dict[str, Any] | None:
     data = read_json(path)
-    if data is None:
-        return None
-    if not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
+    if data is not None and not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
         raise RunDataError(f"{path}: no 'metrics' mapping")
-    return data, {s: {m: float(v[m]) for m in metrics} for s, v in data["metrics"].items()}
+    return data
 
 
 def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
@@ -123,11 +122,13 @@ def load_run(spec: RunSpec) -> RunRecord:
     if name != "mean" or not k.isdigit():
         raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
                            f"{str(summary.get('metric', ''))!r}")
-    metrics = (f"mean@{k}", f"pass@{k}")
-    after, before = (_eval_file(spec.run_dir / "eval" / f"{w}.json", metrics) for w in ("after", "before"))
+    after, before = (_eval_file(spec.run_dir / "eval" / f"{when}.json") for when in ("after", "before"))
     if after is None:
         raise RunDataError(f"{spec.run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
                            "(the recipe must include the rl and eval stages)")
+    metrics = (f"mean@{k}", f"pass@{k}")
+    final, start = ({s: {m: float(v[m]) for m in metrics} for s, v in e["metrics"].items()} if e else None
+                    for e in (after, before))
     by_step: dict[int, dict[str, Any]] = {}
     for row in read_jsonl(spec.run_dir / "metrics.jsonl"):
         if row.get("stage") == "rl":  # a step logged twice (resumed run) keeps its last values
@@ -138,15 +139,14 @@ def load_run(spec: RunSpec) -> RunRecord:
             split, _, metric = key.removeprefix("eval/").rpartition("/")
             if key.startswith("eval/") and isinstance(value, int | float) and split and metric in metrics:
                 history.setdefault(step, {}).setdefault(split, {})[metric] = float(value)
-    final = after[1]
     rl_steps = summary.get("rl_steps")
     history[rl_steps if isinstance(rl_steps, int) else max([*history, 0])] = final  # the last checkpoint
     best = {s: {m: max(h[s][m] for h in history.values() if m in h.get(s, {})) for m in metrics} for s in final}
-    return RunRecord(spec, int(k), final, best, before and before[1], dict(sorted(history.items())),
-                     _average_curve(after[0].get("curves") or {}), series_from_rows(by_step.values()),
+    return RunRecord(spec, int(k), final, best, start, dict(sorted(history.items())),
+                     _average_curve(after.get("curves") or {}), series_from_rows(by_step.values()),
                      {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
-                     {w: e[0]["completion_stats"] for w, e in (("final", after), ("before", before))
-                      if e and e[0].get("completion_stats")})
+                     {w: e["completion_stats"] for w, e in (("final", after), ("before", before))
+                      if e and e.get("completion_stats")})
 
 
 def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
@@ -210,6 +210,14 @@ class Group:
     def stat(self, outcome: str) -> Stat:
         return stat(list(self.values.get(outcome, {}).values()))
 
+    def table(self, section: str) -> dict[str, dict[str, Stat]]:
+        """split -> metric -> Stat of a `<section>/<split>/<metric>` outcome (final, best, before, gain)."""
+        out: dict[str, dict[str, Stat]] = {}
+        for key in (key for key in self.values if key.startswith(section + "/")):
+            split, metric = key[len(section) + 1:].rsplit("/", 1)
+            out.setdefault(split, {})[metric] = self.stat(key)
+        return out
+
 
 def group_runs(records: Sequence[RunRecord]) -> list[Group]:
     """The finished runs by (objective, sweep value) group, in plan order, each with its pivot of `tidy`."""
@@ -235,6 +243,45 @@ def splits_of(records: Sequence[RunRecord]) -> list[str]:
     """Held-out splits in first-seen order, `average` last."""
     found = list(dict.fromkeys(s for r in records for s in r.final if s != AVERAGE))
     return [*found, AVERAGE] if any(AVERAGE in r.final for r in records) else found
+
+
+# --------------------------------------------------------------------------------------- statistics of groups
+def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
+    """Every outcome of every other group against the reference group, paired by seed, in group then outcome
+    order."""
+    ref = next(g for g in groups if g.group == reference)
+    return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
+                              outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
+
+
+def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
+                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
+    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) final
+    scores of the held-out splits (not their average: rliable aggregates over tasks)."""
+    tasks = [s for s in splits if s != AVERAGE] or list(splits)
+
+    def scores(g: Group, metric: str) -> np.ndarray:  # runs (rows) lacking a split are left out
+        return np.array([[r.final[s][metric] for s in tasks] for r in g.runs if all(s in r.final for s in tasks)])
+
+    ref = next(g for g in groups if g.group == reference)
+    out: dict[str, dict[str, dict[str, Estimate]]] = {}
+    for g in groups:
+        out[g.group] = {"iqm": {m: iqm(x) for m in metrics if (x := scores(g, m)).size}}
+        if g is not ref:
+            out[g.group]["poi"] = {m: probability_of_improvement(x, y) for m in metrics
+                                   if (x := scores(g, m)).size and (y := scores(ref, m)).size}
+    return out
+
+
+def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
+    """RL-start (SFT) metric per split over distinct seeds, and the largest disagreement between runs of the same
+    seed (0 when SFT is deterministic per seed: every objective starts from the same model)."""
+    per_seed: dict[int, list[dict[str, dict[str, float]]]] = {}
+    for r in (r for g in groups for r in g.runs if r.before):
+        per_seed.setdefault(r.spec.seed, []).append(r.before)
+    spread = max((abs(a[s][metric] - b[s][metric]) for bs in per_seed.values() for a in bs for b in bs
+                  for s in splits if s in a and s in b), default=0.0)
+    return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
 
 
 def title_of(split: str) -> str:
