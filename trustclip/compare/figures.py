@@ -41,6 +41,11 @@ def band(per_seed: PerSeed) -> Band | None:
     return Band(common, stack.mean(axis=0), std, len(per_seed))
 
 
+def series_points(group: Group, key: str, window: int) -> PerSeed:
+    """A training series of each seed, smoothed over `window` steps."""
+    return [(x, smooth(y, window)) for x, y in (r.series[key] for r in group.runs if key in r.series)]
+
+
 def eval_points(group: Group, split: str, metric: str) -> PerSeed:
     """Held-out metric against the RL step (periodic evaluations and the final one; step 0: the RL start)."""
     out = []
@@ -53,6 +58,12 @@ def eval_points(group: Group, split: str, metric: str) -> PerSeed:
     return out
 
 
+def at_k_points(group: Group, split: str, kind: str) -> PerSeed:
+    """Mean@k (`kind` "mean") or Pass@k ("pass") of each seed's final policy against k."""
+    return [(np.asarray(r.curves[split]["k"], float), np.asarray(r.curves[split][kind], float)) for r in group.runs
+            if kind in r.curves.get(split, {})]
+
+
 def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], out: Path,
                  window: int | None) -> tuple[list[Path], list[dict[str, Any]]]:
     """Every figure of the report (training curves, held-out accuracy vs step, Mean@k / Pass@k vs k, the sweep);
@@ -61,12 +72,12 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
                                           default=1))
     rows: list[dict[str, Any]] = []
 
-    def panels(name: str, xlabel: str, ylabel: str | None, specs: Sequence[tuple[str, Callable[[Group], PerSeed]]],
-               logx: bool = False) -> list[dict[str, Any]]:
-        """One panel per (title, per-seed data of a group) that some group has data for; ylabel None: the title."""
+    def panels(name: str, xlabel: str, ylabel: str | None, points: Callable[..., PerSeed],
+               specs: Sequence[tuple[str, tuple]], logx: bool = False) -> list[dict[str, Any]]:
+        """A panel per (title, args of `points`) that some group has data for (ylabel None: the title)."""
         made = []
-        for title, per_seed in specs:
-            bands = {g.group: b for g in groups if (b := band(per_seed(g))) is not None and b.x.size}
+        for title, args in specs:
+            bands = {g.group: b for g in groups if (b := band(points(g, *args))) is not None and b.x.size}
             rows.extend({"figure": name, "panel": title, "group": group, "x": float(x), "mean": float(m),
                          "std": float(s), "n_seeds": b.n}
                         for group, b in bands.items() for x, m, s in zip(b.x, b.mean, b.std, strict=True))
@@ -75,21 +86,18 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         return made
 
     paths = []
-    if training := panels("training_curves", "RL step", None, [(label, lambda g, key=key: [
-            (x, smooth(y, window)) for x, y in (r.series[key] for r in g.runs if key in r.series)])
-            for key, label in SERIES.items()]):
+    if training := panels("training_curves", "RL step", None, series_points,
+                          [(label, (key, window)) for key, label in SERIES.items()]):
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
         paths.append(plot_bands(out / "training_curves.png", training, title, ncols=4))
         paths += [plot_bands(out / f"training_{p['title'].split(' (')[0].replace(' ', '_')}.png", [p], title, ncols=1)
                   for p in training]
-    if evals := panels("eval_vs_step", "RL step", "accuracy", [
-            (f"{title_of(s)} {metric_title(m)}", lambda g, s=s, m=m: eval_points(g, s, m)) for m in metrics
-            for s in splits]):
+    if evals := panels("eval_vs_step", "RL step", "accuracy", eval_points,
+                       [(f"{title_of(s)} {metric_title(m)}", (s, m)) for m in metrics for s in splits]):
         paths.append(plot_bands(out / "eval_vs_step.png", evals, "Held-out accuracy during RL (step 0: RL start), "
                                 "mean ± std", ncols=len(splits)))
-    if at_k := panels("at_k", "k", "accuracy", [(f"{title_of(s)} {kind.capitalize()}@k", lambda g, s=s, kind=kind: [
-            (np.asarray(r.curves[s]["k"], float), np.asarray(r.curves[s][kind], float)) for r in g.runs
-            if kind in r.curves.get(s, {})]) for kind in ("mean", "pass") for s in splits], logx=True):
+    if at_k := panels("at_k", "k", "accuracy", at_k_points, [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind))
+                                                              for kind in ("mean", "pass") for s in splits], logx=True):
         paths.append(plot_bands(out / "at_k.png", at_k, "Mean@k and Pass@k of the final policy vs k, mean ± std",
                                 ncols=len(splits)))
     if swept := [g for g in groups if g.sweep_key is not None]:

@@ -70,9 +70,14 @@ def fmt_signed(x: float, scale: float = 100.0, digits: int = 1) -> str:
     return "n/a" if math.isnan(x) else ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:+.{digits}f}"
 
 
-def fmt_interval(d: Difference, scale: float = 100.0, digits: int = 1) -> str:
+def fmt_amount(x: float, o: Outcome = PRIMARY) -> str:
+    """'+1.2 points': a difference in the outcome's unit."""
+    return f"{fmt_signed(x, o.scale, o.digits)}{o.unit}"
+
+
+def fmt_interval(d: Difference, o: Outcome = PRIMARY) -> str:
     """'[+1.1, +5.0]' ('n/a' below 2 seeds)."""
-    return "n/a" if d.n < 2 else f"[{fmt_signed(d.low, scale, digits)}, {fmt_signed(d.high, scale, digits)}]"
+    return "n/a" if d.n < 2 else f"[{fmt_signed(d.low, o.scale, o.digits)}, {fmt_signed(d.high, o.scale, o.digits)}]"
 
 
 def needed_text(d: Difference) -> str:
@@ -94,18 +99,17 @@ def _fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> 
 
 
 # ----------------------------------------------------------------------------------------------- sentences
-def difference_sentence(d: Difference, what: str, scale: float = 100.0, unit: str = " points",
-                        digits: int = 1) -> str:
-    """The sentence of one paired difference, from its interval only."""
+def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
+    """The sentence of one paired difference (`what`: its outcome's words, `o`: its unit), from its interval only."""
     head = f"{d.group} - {d.reference}, {what}: "
     if d.n == 0:
         return head + "no seed has both runs finished."
     if d.verdict == "identical":
         return head + f"identical on all {d.n} paired seed(s) (every difference is exactly 0)."
-    text = head + f"{fmt_signed(d.mean, scale, digits)}{unit}"
+    text = head + fmt_amount(d.mean, o)
     if d.n < 2:
         return text + f" on one paired seed (seed {d.seeds[0]}): no interval with one seed, nothing is claimed."
-    text += f" [{LEVEL:.0%} CI {fmt_interval(d, scale, digits)[1:-1]}], n = {d.n} paired seeds"
+    text += f" [{LEVEL:.0%} CI {fmt_interval(d, o)[1:-1]}], n = {d.n} paired seeds"
     if d.verdict in ("higher", "lower"):
         return text + f": {d.verdict} than {d.reference}."
     needed = needed_text(d)
@@ -147,8 +151,8 @@ def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome = PR
             f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
     if d.n < 2:
         return text + f"{d.n} complete seed(s), no interval."
-    text += (f"{fmt_signed(d.mean, o.scale, o.digits)}{o.unit} {f'per tenfold {key}' if log else f'per unit of {key}'} "
-             f"[{LEVEL:.0%} CI {fmt_interval(d, o.scale, o.digits)[1:-1]}], n = {d.n} (per seed: "
+    text += (f"{fmt_amount(d.mean, o)} {f'per tenfold {key}' if log else f'per unit of {key}'} "
+             f"[{LEVEL:.0%} CI {fmt_interval(d, o)[1:-1]}], n = {d.n} (per seed: "
              + ", ".join(fmt_signed(v, o.scale, o.digits) for v in d.differences) + ")")
     verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
     return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
@@ -166,8 +170,8 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     out += [difference_sentence(d, outcome_label(PRIMARY, k)) for d in diffs if d.outcome == PRIMARY.key]
     if resolved := [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]:
         out.append("Other outcomes whose paired interval excludes 0: " + "; ".join(
-            f"{d.group} {outcome_label(o := OUTCOME[d.outcome], k)} {fmt_signed(d.mean, o.scale, o.digits)}{o.unit} "
-            f"{fmt_interval(d, o.scale, o.digits)} ({d.verdict})" for d in resolved) + ".")
+            f"{d.group} {outcome_label(o := OUTCOME[d.outcome], k)} {fmt_amount(d.mean, o)} {fmt_interval(d, o)} "
+            f"({d.verdict})" for d in resolved) + ".")
     elif diffs:
         out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
     out.append(rank_sentence(f"{primary} of the final policy", groups))
@@ -181,10 +185,8 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
         for g in groups:
             final, start = (g.values.get(f"completions/{when}/{avg}/{what}", {}) for when in ("final", "before"))
             if final:
-                out.append(difference_sentence(paired_difference(final, start, group=g.group, ref="RL start",
-                                                                 outcome=key),
-                                               o.label.replace(", final", f", {title_of(avg)}"), o.scale, o.unit,
-                                               o.digits))
+                change = paired_difference(final, start, group=g.group, ref="RL start", outcome=key)
+                out.append(difference_sentence(change, o.label.replace(", final", f", {title_of(avg)}"), o))
     swept: dict[str, list[Group]] = {}
     for g in (g for g in groups if g.sweep_key is not None):
         swept.setdefault(g.label, []).append(g)
@@ -295,8 +297,8 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
         return "_No other group to compare with the reference._"
     return _table(["Group", "Outcome", "Difference", f"{LEVEL:.0%} CI", "n", "Verdict", "Seeds needed"],
                   "|---|---:|---:|---:|---|---:", [
-        [d.group, outcome_label(o := OUTCOME[d.outcome], k), f"{fmt_signed(d.mean, o.scale, o.digits)}{o.unit}",
-         fmt_interval(d, o.scale, o.digits), d.n, d.verdict, needed_text(d)] for d in diffs])
+        [d.group, outcome_label(o := OUTCOME[d.outcome], k), fmt_amount(d.mean, o), fmt_interval(d, o), d.n,
+         d.verdict, needed_text(d)] for d in diffs])
 
 
 def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
