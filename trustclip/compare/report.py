@@ -324,7 +324,7 @@ def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
         split, metric = rest.rsplit("/", 1) if section in ("final", "best", "before", "gain") else ("", rest)
         rows.append({"section": section, "split": split, "metric": metric, "statistic": "value", **row})
     rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
-              "value": d.to_dict()[name]} for d in diffs
+              "value": info[name]} for d in diffs for info in (d.to_dict(),)
              for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
     rows += [{"section": kind, "group": group, "metric": metric, "statistic": name, "value": value}
              for group, kinds in (aggregates or {}).items() for kind, per_metric in kinds.items()

@@ -155,13 +155,15 @@ def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
 
 
 def run_rows(record: RunRecord) -> dict[str, float]:
-    """Every number of one run, outcome -> value. The `OUTCOMES` are on the held-out average (NaN where the run lacks
-    the data); a run "collapsed" when its final Mean@K is below its own RL start."""
+    """Every number of one run, outcome -> value, each computed once: the `OUTCOMES` are entries of the rest on the
+    held-out average (NaN where the run lacks the data); a run "collapsed" when its final Mean@K is below its own RL
+    start."""
     out = {f"{section}/{split}/{m}": v for section in ("final", "best", "before")
            for split, values in (getattr(record, section) or {}).items() for m, v in values.items()}
     out |= {f"gain/{split}/{m}": record.final[split][m] - values[m] for split, values in (record.before or {}).items()
             if split in record.final for m in record.metrics}
-    for key, (_, y) in ((key, record.series[key]) for key in SERIES if key in record.series):
+    for key in (key for key in SERIES if key in record.series):
+        y = record.series[key][1]
         out |= {f"dynamics/{key} (last 10%)": tail_mean(y), f"dynamics/{key} (mean)": float(y.mean())}
     out |= {f"completions/{when}/{split}/{k}": float(v) for when, splits in record.completions.items()
             for split, stats in splits.items() for k, v in stats.items()}
@@ -169,15 +171,14 @@ def run_rows(record: RunRecord) -> dict[str, float]:
     split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
     (mean_k, pass_k), gain = record.metrics, out.get(f"gain/{split}/{record.metrics[0]}", math.nan)
 
-    def series(key: str, reduce: Any) -> float:
-        return reduce(record.series[key][1]) if key in record.series else math.nan
+    def dynamics(key: str, how: str = "last 10%") -> float:
+        return out.get(f"dynamics/{key} ({how})", math.nan)
 
     return out | {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()} | {
-        "mean@K": record.final[split][mean_k], "pass@K": record.final[split][pass_k], "gain": gain,
-        "entropy": series(names.ENTROPY, tail_mean), "reward": series(names.REWARD, tail_mean),
-        "length": series(names.COMPLETION_LENGTH, tail_mean),
-        "clip_frac": series(names.CLIP_ANY, np.mean), "offpolicy_frac": series(OFFPOLICY, np.mean),
-        "collapse": float(gain < 0) if math.isfinite(gain) else math.nan}
+        "mean@K": out[f"final/{split}/{mean_k}"], "pass@K": out[f"final/{split}/{pass_k}"], "gain": gain,
+        "entropy": dynamics(names.ENTROPY), "reward": dynamics(names.REWARD),
+        "length": dynamics(names.COMPLETION_LENGTH), "clip_frac": dynamics(names.CLIP_ANY, "mean"),
+        "offpolicy_frac": dynamics(OFFPOLICY, "mean"), "collapse": float(gain < 0) if math.isfinite(gain) else math.nan}
 
 
 def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
