@@ -31,7 +31,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from scipy import stats as sps
@@ -43,28 +43,22 @@ RESAMPLES = 9_999  # bootstrap resamples (scipy's default)
 BOOTSTRAP_SEED = 0  # fixed: a rebuilt report shows the same intervals
 
 
-@dataclass(frozen=True)
-class Stat:
-    """One quantity over seeds (std: the sample std, NaN for one seed)."""
+class Stat(NamedTuple):
+    """One quantity over seeds: its finite values, their mean and sample std (NaN for one seed)."""
 
     values: tuple[float, ...]
+    mean: float
+    std: float
 
     @property
     def n(self) -> int:
         return len(self.values)
 
-    @property
-    def mean(self) -> float:
-        return math.fsum(self.values) / self.n if self.n else math.nan
-
-    @property
-    def std(self) -> float:
-        return float(np.std(self.values, ddof=1)) if self.n >= 2 else math.nan
-
 
 def stat(values: Sequence[float]) -> Stat:
     """Stat of the finite values (NaN and None are dropped)."""
-    return Stat(tuple(float(v) for v in values if v is not None and math.isfinite(float(v))))
+    v = tuple(float(x) for x in values if x is not None and math.isfinite(float(x)))
+    return Stat(v, math.fsum(v) / len(v) if v else math.nan, float(np.std(v, ddof=1)) if len(v) >= 2 else math.nan)
 
 
 def _mean_se(d: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
