@@ -3,8 +3,9 @@
     plan.py     an experiment as data: groups x seeds, each run a validated training config
     runner.py   the runs, resumable, in a small pool of worker processes
     results.py  finished runs -> one tidy table (run, group, seed, outcome, value) and its pivots per group
-    stats.py    paired differences and their intervals; text.py: the report's English
-    report.py, figures.py   report.md, results.json / .csv, curves.csv and the figures
+    stats.py    paired differences, their intervals, the seeds they would need, rliable's aggregates
+    report.py   the report's English (every verdict from one paired difference), report.md, results.csv (the tidy
+                table, then the comparisons), a slim results.json and curves.csv; figures.py: the figures
 
 `run_compare(CompareSettings)` does all of it; the experiment is saved as `compare.json` in the output directory, so
 that `--report-only` (or a rerun without `--objectives`) reuses it. The reference group (`--reference`) is a report
