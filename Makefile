@@ -85,10 +85,13 @@ smollm2: $(STAMP) $(MODELS_STAMP)
 # ATR, the unconstrained control and clip_higher on SEEDS seeds, seed-major (a stopped pool has whole seeds), one SFT
 # model per seed, resumable; no periodic evaluation (the held-out splits are evaluated before and after RL).
 # smollm2-figure3: atr at delta 0.02 / 0.07 / 0.2 in the same pool (the 0.07 runs are smollm2-compare's).
-SMOLLM2_COMPARE = $(VENV)/bin/trustclip compare --config recipes/smollm2_offpolicy.yaml --seeds $(SEEDS) \
-	  --reference clip --eval-every 0 --runs-dir runs/smollm2-compare --jobs 1 --threads-per-job 2
+# SMOLLM2_RECIPE / SMOLLM2_POOL pick another design (recipes/smollm2_offpolicy8.yaml: 8 updates per batch at lr 3e-5).
+SMOLLM2_RECIPE ?= recipes/smollm2_offpolicy.yaml
+SMOLLM2_POOL ?= runs/smollm2-compare
+SMOLLM2_COMPARE = $(VENV)/bin/trustclip compare --config $(SMOLLM2_RECIPE) --seeds $(SEEDS) \
+	  --reference clip --eval-every 0 --runs-dir $(SMOLLM2_POOL) --jobs 1 --threads-per-job 2
 smollm2-compare: $(STAMP) $(MODELS_STAMP)
-	$(SMOLLM2_COMPARE) --output-dir runs/smollm2-compare/report --objectives clip,atr,unconstrained,clip_higher
+	$(SMOLLM2_COMPARE) --output-dir $(SMOLLM2_POOL)/report --objectives clip,atr,unconstrained,clip_higher
 
 smollm2-figure3: $(STAMP) $(MODELS_STAMP)
-	$(SMOLLM2_COMPARE) --output-dir runs/smollm2-compare/figure3 --objectives atr,clip --sweep delta=0.02,0.07,0.2
+	$(SMOLLM2_COMPARE) --output-dir $(SMOLLM2_POOL)/figure3 --objectives atr,clip --sweep delta=0.02,0.07,0.2
