@@ -1,7 +1,8 @@
-"""A comparison's runs, resumable, `jobs` at a time. A run is one worker process, `python -m trustclip.compare.runner
-RUN_DIR THREADS [--resume]`, that trains RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ...
-[--resume]` would (RL from the shared SFT model), then writes `run_complete.json`. (Not the train CLI itself: its
---resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline` stand-in does not.)
+"""A comparison's runs, resumable, `jobs` at a time. A run is one worker process (this module as __main__, `RUN_DIR
+THREADS [--resume]`, from the compare's own package) that trains RUN_DIR/run_spec.json's config into RUN_DIR as
+`trustclip train --config ... [--resume]` would (RL from the shared SFT model), then writes `run_complete.json`.
+(Not the train CLI itself: its --resume reads the config.yaml that the real pipeline writes and the tests'
+`--pipeline` stand-in does not.)
 
 A finished run (run_complete.json with its fingerprint, a readable summary.json) is never redone; an unfinished one
 continues with the trainer's resume. One compare at a time per pool (POOL/.compare.lock, inherited by the workers: a
@@ -34,6 +35,10 @@ COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
 PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL
 POLL = 0.5  # seconds between looks at the running workers
+# The worker runs this module as __main__ from the package the compare itself imported: `python -m` would put the
+# working directory first on sys.path, so a compare started from one checkout could run its workers from another.
+WORKER_START = (f"import runpy, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
+                "runpy.run_module('trustclip.compare.runner', run_name='__main__', alter_sys=True)")
 
 
 class ChangedRunError(ValueError):
@@ -180,7 +185,7 @@ class Execution:
 
     def start(self, spec: RunSpec) -> None:
         resumed = prepare_run_dir(spec, self.resume_partial, self.pipeline)
-        cmd = [sys.executable, "-m", "trustclip.compare.runner", str(spec.run_dir), str(self.threads),
+        cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(self.threads),
                *(["--resume"] if resumed else [])]
         env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(self.threads))}
