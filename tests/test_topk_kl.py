@@ -147,7 +147,7 @@ def test_chunked_forward_equals_the_full_logits_path(tiny_model_path, tmp_path, 
     trainer = make_truly_trainer(tiny_model_path, tmp_path, storage)
     model = trainer.model
     inputs = _batch(trainer.processing_class)
-    monkeypatch.setattr(module, "_HEAD_CHUNK_ELEMENTS", 2 * model.get_output_embeddings().weight.size(0))
+    monkeypatch.setattr(module, "CHUNK_ELEMENTS", 2 * model.get_output_embeddings().weight.size(0))
     logps, stored = trainer._old_policy(inputs)
     with torch.no_grad():
         old_full = _direct(model, inputs, trainer.temperature)

@@ -32,6 +32,7 @@ from trustclip import metric_names as names
 from trustclip.objectives import Objective, aggregate, compute_token_loss, get_objective
 from trustclip.objectives.adaptive import controller_for
 from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.full_kl import CHUNK_ELEMENTS
 from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
@@ -44,9 +45,6 @@ from trustclip.trainers.trl_surface import check_trl_surface
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
 logger = logging.getLogger(__name__)
-
-# Elements of one (positions, V) chunk of the LM head's output in truly_ppo's forward: 32 MB in float32.
-_HEAD_CHUNK_ELEMENTS = 2**23
 
 
 class TrustClipGRPOTrainer(GRPOTrainer):
@@ -384,7 +382,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                             keep: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """(log-prob, entropy, KL to `old` / what to `keep` / None) per completion token (`full_vocab`)."""
         return self._full_vocab(model, inputs, old=old, keep=keep, mode="train" if self.model.training else "eval",
-                                chunk_elements=_HEAD_CHUNK_ELEMENTS)
+                                chunk_elements=CHUNK_ELEMENTS)
 
     # ------------------------------------------------------------------ atr_adaptive: resume
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
