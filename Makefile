@@ -81,13 +81,13 @@ smollm2: $(STAMP) $(MODELS_STAMP)
 	$(VENV)/bin/trustclip compare --config recipes/smollm2_arith.yaml --objectives kl3 --seeds $(SEEDS) \
 	  --runs-dir runs/smollm2 --output-dir runs/smollm2/arith --jobs 1 --threads-per-job 2
 
-# The paper's comparison on a real LM (docs/results-cpu.md, "A real LM"): recipes/smollm2_offpolicy.yaml with clip,
-# ATR, the unconstrained control and clip_higher on SEEDS seeds, seed-major (a stopped pool has whole seeds), one SFT
-# model per seed, resumable; no periodic evaluation (the held-out splits are evaluated before and after RL).
+# The paper's comparison on a real LM (docs/results-cpu.md, "A real LM", 7.2): recipes/smollm2_offpolicy8.yaml with
+# clip, ATR, the unconstrained control and clip_higher on SEEDS seeds, seed-major (a stopped pool has whole seeds), one
+# SFT model per seed, resumable; no periodic evaluation (the held-out splits are evaluated before and after RL).
 # smollm2-figure3: atr at delta 0.02 / 0.07 / 0.2 in the same pool (the 0.07 runs are smollm2-compare's).
-# SMOLLM2_RECIPE / SMOLLM2_POOL pick another design (recipes/smollm2_offpolicy8.yaml: 8 updates per batch at lr 3e-5).
-SMOLLM2_RECIPE ?= recipes/smollm2_offpolicy.yaml
-SMOLLM2_POOL ?= runs/smollm2-compare
+# SMOLLM2_RECIPE / SMOLLM2_POOL pick another design (7.1: recipes/smollm2_offpolicy.yaml in runs/smollm2-compare).
+SMOLLM2_RECIPE ?= recipes/smollm2_offpolicy8.yaml
+SMOLLM2_POOL ?= runs/smollm2-offpolicy8
 SMOLLM2_COMPARE = $(VENV)/bin/trustclip compare --config $(SMOLLM2_RECIPE) --seeds $(SEEDS) \
 	  --reference clip --eval-every 0 --runs-dir $(SMOLLM2_POOL) --jobs 1 --threads-per-job 2
 smollm2-compare: $(STAMP) $(MODELS_STAMP)
