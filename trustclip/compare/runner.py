@@ -123,8 +123,8 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
-    out, say, running = Execution(), progress, {}  # running: run id -> (spec, process, start time, resumed)
-    last_status = time.time()
+    out, say, last_status = Execution(), progress, time.time()
+    running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = {}  # run id -> (spec, worker, start, resumed)
 
     def log(event: str, run_id: str, **extra: Any) -> None:
         append_jsonl(Path(log_dir or root) / LOG_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event,
