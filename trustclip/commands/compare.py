@@ -136,12 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from trustclip.compare import run_compare
 
     try:
-        settings = settings_from_args(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"trustclip compare: error: {err}", file=sys.stderr)
-        return 2
-    try:
-        return run_compare(settings)
+        return run_compare(settings_from_args(args))
     except (ValueError, RuntimeError, FileNotFoundError) as err:
         print(f"trustclip compare: error: {err}", file=sys.stderr)
         return 2

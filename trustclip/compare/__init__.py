@@ -80,14 +80,14 @@ class CompareSettings:
         return base
 
     def plan(self) -> list[RunSpec]:
+        """The runs; a report-only rebuild of the saved experiment plans from its saved base config (the recipe file
+        may have changed since; the runs have not)."""
         labels = planning.parse_objectives(self.objectives)
         saved = read_json(self.output_dir / SETTINGS_FILE)
-        base = None
-        if self.report_only and isinstance(saved, dict) and saved.get("experiment") == self.experiment():
-            base = saved.get("base_config")  # the recipe file may have changed since; the runs have not
+        same = self.report_only and isinstance(saved, dict) and saved.get("experiment") == self.experiment()
         return plan_runs(labels, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
-                         hparams=planning.parse_hparams(self.hparams, labels), base=base or self.base_config(),
-                         share_sft=self.share_sft)
+                         hparams=planning.parse_hparams(self.hparams, labels),
+                         base=(same and saved.get("base_config")) or self.base_config(), share_sft=self.share_sft)
 
     @property
     def runs_root(self) -> Path:

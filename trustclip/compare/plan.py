@@ -3,10 +3,11 @@
 A group is an item of `--objectives` (`clip`, or a variant `clip[epsilon=0.329]`, named as written) at each value of
 `--sweep`; all else is the recipe plus `--set`. Its hyper-parameters: the recipe's `rl.objective_kwargs` when the recipe
 trains that objective, then the one place that sets a key (brackets, `--hparam OBJECTIVE.KEY=V` or `--sweep KEY=V,..`;
-two setting one key is an error). A sweep key without a dot applies to the objectives that have it (the others run once,
-as references); a dotted key is a training option of every run. A run's directory follows from its settings
-(`run_folder`), so equal settings written differently share one run of a pool; with shared SFT (default) SFT runs once
-per seed in `runs/_sft/seed<k>` and that seed's RL runs (stages `rl, eval`) start from its model, as in the paper.
+two setting one key is an error), resolved in `_objective_kwargs`. A sweep key without a dot applies to the objectives
+that have it (the others run once, as references); a dotted key is a training option of every run. A run's directory
+follows from its settings (`_make_run`), so equal settings written differently share one run of a pool; with shared SFT
+(default) SFT runs once per seed in `runs/_sft/seed<k>` and that seed's RL runs (stages `rl, eval`) start from its
+model, as in the paper.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import itertools
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from trustclip.train.config import RUN_CONTROL, parse_value
 
@@ -29,16 +31,20 @@ RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
 
 
-@dataclass(frozen=True)
-class Sweep:
-    """One swept setting: an objective hyper-parameter (`delta`) or a dotted training option."""
+class Sweep(NamedTuple):
+    """One swept setting: an objective hyper-parameter (`delta`) or, with a dot, a training option of every run."""
 
     key: str
     values: tuple[Any, ...]
 
-    @property
-    def is_training_option(self) -> bool:
-        return "." in self.key
+
+class Entry(NamedTuple):
+    """One item of `--objectives`: an objective name (or alias) with a variant's own hyper-parameters."""
+
+    name: str  # as written (an alias stays an alias: `--hparam atr.delta` applies to `atr`)
+    kwargs: dict[str, Any]
+    label: str  # the item as written, spaces removed: the group's name
+    spec: Any  # the registered objective (trustclip.objectives.registry.ObjectiveSpec)
 
 
 @dataclass
@@ -55,7 +61,7 @@ class RunSpec:
     root: Path = field(default=Path("."), repr=False)
     kind: str = "rl"  # "rl": a compared run; "sft": a shared SFT run other runs start from
     depends_on: RunSpec | None = field(default=None, repr=False)
-    folder: str = ""  # directory under runs/: `run_folder` (an SFT run: its label)
+    folder: str = ""  # directory under runs/, from the settings (an SFT run: its label)
 
     @property
     def group(self) -> str:
@@ -111,17 +117,8 @@ def _objective(name: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-@dataclass(frozen=True)
-class Entry:
-    """One item of `--objectives`: an objective name (or alias) with a variant's own hyper-parameters."""
-
-    name: str
-    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
-    label: str = ""  # the item as written, spaces removed: the group's name
-
-
 def parse_entry(item: str) -> Entry:
-    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]')."""
+    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]', spec)."""
     match = re.fullmatch(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?", re.sub(r"\s+", "", item))
     if match is None:
         raise ValueError(f"objective {item!r}: expected NAME or NAME[KEY=VALUE,...], e.g. clip[epsilon=0.3]")
@@ -137,7 +134,7 @@ def parse_entry(item: str) -> Entry:
             raise ValueError(f"objective {item!r}: {spec.name} has no hyper-parameter {key!r}; "
                              f"valid: {', '.join(spec.params) or 'none'}")
         kwargs[key] = parse_value(raw)
-    return Entry(name, kwargs, match.group(0))
+    return Entry(name, kwargs, match.group(0), spec)
 
 
 def parse_objectives(text: str | Sequence[str]) -> list[str]:
@@ -151,7 +148,7 @@ def parse_objectives(text: str | Sequence[str]) -> list[str]:
         text = re.split(r",(?![^\[]*\])", text)
     seen: dict[str, str] = {}  # an objective (or a variant as written) -> its item
     for entry in (parse_entry(item) for item in text if item.strip()):
-        key = entry.label if entry.kwargs else _objective(entry.name).name
+        key = entry.label if entry.kwargs else entry.spec.name
         if key in seen:
             same = "the same item" if entry.kwargs else f"the same objective ({key})"
             raise ValueError(f"objectives {seen[key]!r} and {entry.label!r} are {same}; give a variant its own "
@@ -173,12 +170,12 @@ def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) 
         return next((g for g, _, objective in groups if objective == "clip"), groups[0][0])
     candidates = [g for g, _, _ in groups if g == name]
     with contextlib.suppress(ValueError):  # not an item of --objectives: no other match
-        label = parse_entry(name).label
-        candidates = candidates or [g for g, lb, _ in groups if lb == label]
-        if not candidates and "[" not in name:  # an objective name: its group, or its one plain group
-            same = [(g, lb) for g, lb, objective in groups if objective == _objective(name).name]
-            plain = [g for g, lb in same if "[" not in lb]
-            candidates = plain if len(same) > 1 and len(plain) == 1 else [g for g, _ in same]
+        entry = parse_entry(name)
+        candidates = candidates or [g for g, label, _ in groups if label == entry.label]
+        if not candidates and not entry.kwargs:  # an objective name: its one group without brackets, else its groups
+            same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
+            plain = [g for g, label in same if "[" not in label]
+            candidates = plain if len(plain) == 1 else [g for g, _ in same]
     if len(candidates) == 1:
         return candidates[0]
     if candidates:
@@ -203,11 +200,12 @@ def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[
 
 
 _LIST = "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])"
-NOT_SWEEPABLE = {  # settings --sweep cannot vary, and what varies them
+NOT_SWEEPABLE = {  # settings --sweep cannot vary, and what varies them (and RUN_CONTROL: no run changes)
     "rl.objective": _LIST, "objective": _LIST, "seed": "give the seeds with --seeds / --seed-list",
     "rl.objective_kwargs": "sweep one hyper-parameter by its name (--sweep delta=0.05,0.1), or list variants "
                            "NAME[KEY=V] in --objectives",
     "stages": "compare runs every stage; set them for all runs with --set stages=...",
+    **dict.fromkeys(RUN_CONTROL, "it does not change what a run computes"),
 }
 
 
@@ -222,9 +220,8 @@ def parse_sweep(text: str | None) -> Sweep | None:
     if key.startswith("rl.objective_kwargs."):
         raise ValueError(f"--sweep {text!r}: an objective's hyper-parameter is swept by its name: --sweep "
                          f"{key.rsplit('.', 1)[-1]}=...")
-    if key in NOT_SWEEPABLE or key in RUN_CONTROL:
-        why = NOT_SWEEPABLE.get(key, "it does not change what a run computes")
-        raise ValueError(f"--sweep {text!r}: {key} is not a sweepable setting; {why}")
+    if key in NOT_SWEEPABLE:
+        raise ValueError(f"--sweep {text!r}: {key} is not a sweepable setting; {NOT_SWEEPABLE[key]}")
     if any(v is None or isinstance(v, dict | list) for v in values):
         raise ValueError(f"--sweep {text!r}: values must be numbers, strings or booleans")
     if len(set(map(repr, values))) != len(values):
@@ -262,72 +259,63 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
     return load_config(recipe, list(overrides)).to_dict()
 
 
-def _sweep_applies(sweep: Sweep | None, entry: Entry) -> bool:
-    return sweep is not None and (sweep.is_training_option or sweep.key in _objective(entry.name).params)
-
-
-def _make_run(entry: Entry, seed: int, base: dict[str, Any], hparams: dict[str, dict[str, Any]],
-              sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
-    """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself. A value set in
-    two places (brackets, --hparam, --sweep) would leave one silently unused: an error naming both."""
-    from trustclip.objectives import get_objective
-    from trustclip.train.config import TrainConfig, from_dict, set_dotted
-
-    given = hparams.get(entry.name, {})
-    for key in sorted(set(given) & set(entry.kwargs)):
+def _objective_kwargs(entry: Entry, given: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
+    """The one place that sets each hyper-parameter of a group: the variant's brackets, `--hparam` (`given`) or
+    `--sweep` (`swept`). A key set in two would leave one value silently unused: an error naming both."""
+    for key in sorted(given.keys() & entry.kwargs.keys()):
         raise ValueError(f"--hparam {entry.name}.{key}={given[key]!r} and the variant {entry.label!r} both set {key}; "
                          f"give it once (in the brackets, or with --hparam for every group of {entry.name})")
-    same = base["rl"].get("objective") and _objective(base["rl"]["objective"]).name == _objective(entry.name).name
-    recipe = dict(base["rl"].get("objective_kwargs") or {}) if same else {}  # the recipe's, for its own objective
-    data, kwargs = copy.deepcopy(base), recipe | given | entry.kwargs
-    if sweep is not None and sweep.is_training_option:
-        set_dotted(data, sweep.key, value)
-    elif sweep is not None:
-        if sweep.key in entry.kwargs:
-            raise ValueError(f"--sweep {sweep.key}: the variant {entry.label!r} sets {sweep.key} itself; "
-                             "sweep it or set it, not both")
-        if sweep.key in given:
-            raise ValueError(f"--hparam {entry.name}.{sweep.key}={given[sweep.key]!r} and --sweep {sweep.key} both "
-                             f"set {sweep.key}; sweep it or set it, not both")
-        kwargs[sweep.key] = value
+    for key in entry.kwargs.keys() & swept.keys():
+        raise ValueError(f"--sweep {key}: the variant {entry.label!r} sets {key} itself; sweep it or set it, not both")
+    for key in given.keys() & swept.keys():
+        raise ValueError(f"--hparam {entry.name}.{key}={given[key]!r} and --sweep {key} both set {key}; sweep it or "
+                         "set it, not both")
+    return given | entry.kwargs | swept
+
+
+def _make_run(entry: Entry, seed: int, base: dict[str, Any], given: dict[str, Any], sweep: Sweep | None,
+              value: Any, root: Path) -> RunSpec:
+    """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
+    from trustclip.objectives import get_objective
+    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted
+
+    option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
+    kwargs = _objective_kwargs(entry, given, {sweep.key: value} if sweep is not None and not option else {})
+    ours = base["rl"].get("objective") and _objective(base["rl"]["objective"]).name == entry.spec.name
+    recipe = dict(base["rl"].get("objective_kwargs") or {}) if ours else {}  # the recipe's, for its own objective
     try:
-        objective = get_objective(entry.name, **kwargs)
+        objective = get_objective(entry.name, **(recipe | kwargs))
     except ValueError as err:
         raise ValueError(f"objective {entry.label!r}: {err}") from None
     # The kwargs the config records are the same however they were written, so that equal settings have one
     # fingerprint: a value equal to the objective's default is left out (unless it overrides the recipe's), an
     # integer given for a float parameter is that float.
-    defaults = {key: param.default for key, param in objective.spec.params.items()}
-    canonical = {key: float(v) if isinstance(defaults.get(key), float) and type(v) is int else v
-                 for key, v in kwargs.items()}
+    params = objective.spec.params
+    canonical = {key: float(v) if isinstance(params[key].default, float) and type(v) is int else v
+                 for key, v in (recipe | kwargs).items()}
+    data = copy.deepcopy(base)
+    if option:
+        set_dotted(data, sweep.key, value)
     data["seed"] = seed
     data["rl"] |= {"objective": objective.name,
-                   "objective_kwargs": {k: v for k, v in canonical.items() if k in recipe or v != defaults.get(k)}}
+                   "objective_kwargs": {k: v for k, v in canonical.items() if k in recipe or v != params[k].default}}
     try:
         config = from_dict(TrainConfig, data).to_dict()
     except ValueError as err:
         raise ValueError(f"run {entry.label} seed {seed}: {err}") from None
-    return RunSpec(entry.label, objective.name, seed, dict(objective.hparams), config,
-                   sweep.key if sweep is not None else None, value, root)
-
-
-def run_folder(spec: RunSpec, base: dict[str, Any]) -> str:
-    """A run's directory name from its settings: the registered objective name, its hyper-parameters that differ from
-    the objective's defaults (in its own order) and a swept training option that differs from the recipe's value;
-    letters, digits and ._=+- kept, anything else '-'."""
-    from trustclip.train.config import get_dotted
-
-    params = _objective(spec.objective).params
-    parts = [spec.objective] + [f"{key}={canonical_text(spec.hparams[key])}" for key in params
-                                if key in spec.hparams and spec.hparams[key] != params[key].default]
-    if spec.sweep_key is not None and "." in spec.sweep_key:
-        try:
-            unswept = get_dotted(base, spec.sweep_key)
-        except (KeyError, TypeError):
-            unswept = None
-        if get_dotted(spec.config, spec.sweep_key) != unswept:
-            parts.append(f"{spec.sweep_key}={canonical_text(spec.sweep_value)}")
-    return re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts))
+    # Its directory: the registered name, the hyper-parameters off the objective's defaults (in its own order) and a
+    # swept training option off the recipe's value; letters, digits and ._=+- kept, anything else '-'.
+    hparams = dict(objective.hparams)
+    parts = [objective.name] + [f"{key}={canonical_text(hparams[key])}" for key in params
+                                if hparams[key] != params[key].default]
+    unswept = None
+    if option:
+        with contextlib.suppress(KeyError, TypeError):  # an option the recipe does not have
+            unswept = get_dotted(base, sweep.key)
+        if get_dotted(config, sweep.key) != unswept:
+            parts.append(f"{sweep.key}={canonical_text(value)}")
+    return RunSpec(entry.label, objective.name, seed, hparams, config, sweep.key if sweep else None, value, root,
+                   folder=re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts)))
 
 
 def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *,
@@ -340,20 +328,18 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
     entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")
-    if sweep is not None and not any(_sweep_applies(sweep, entry) for entry in entries):
-        have = "; ".join(f"{e.label}: {', '.join(_objective(e.name).params) or 'none'}" for e in entries)
+    # (entry, swept or None): a hyper-parameter sweep applies to the objectives that have it, the others run once
+    groups = [(e, sweep if sweep and ("." in sweep.key or sweep.key in e.spec.params) else None) for e in entries]
+    if sweep is not None and not any(swept for _, swept in groups):
+        have = "; ".join(f"{e.label}: {', '.join(e.spec.params) or 'none'}" for e in entries)
         raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
     hparams, base = hparams or {}, base if base is not None else base_config(recipe, overrides)
-    root, runs = Path(root), []
-    for seed in seeds:
-        for entry in entries:
-            swept = _sweep_applies(sweep, entry)
-            runs += [_make_run(entry, seed, base, hparams, sweep if swept else None, value, root)
-                     for value in (sweep.values if swept else (None,))]
+    root = Path(root)
+    runs = [_make_run(entry, seed, base, hparams.get(entry.name, {}), swept, value, root)
+            for seed in seeds for entry, swept in groups for value in (swept.values if swept else (None,))]
     seen: dict[Path, RunSpec] = {}  # a directory follows from the settings: two groups in one train the same runs
     for spec in runs:
-        spec.folder = run_folder(spec, base)
         if (other := seen.setdefault(spec.run_dir, spec)) is not spec:
             raise ValueError(f"{other.group!r} and {spec.group!r} have the same settings ({other.objective} "
                              f"{other.hparams}, {spec.run_dir}); compare each setting once")
@@ -361,24 +347,19 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
 
 
 def _share_sft(runs: list[RunSpec], root: Path) -> list[RunSpec]:
-    """One SFT run per distinct SFT config (one per seed unless a swept option changes SFT), each before the first RL
+    """One SFT run per distinct SFT config (one per seed unless a swept option changes SFT), just before the first RL
     run that starts from it. Its RL and evaluation sections (unused by SFT) are emptied, so that runs differing only
     there share it and new RL or evaluation defaults keep an existing pool's SFT runs (empty: the defaults)."""
     sft: dict[str, RunSpec] = {}
-    by_seed: dict[int, list[str]] = {}
+    out: list[RunSpec] = []
     for spec in runs:
         config = copy.deepcopy(spec.config) | {"stages": ["sft"], "rl": {}, "eval": {}}
         probe = RunSpec("_sft", "sft", spec.seed, {}, config, root=root, kind="sft")
-        if probe.fingerprint() not in sft:
-            sft[probe.fingerprint()] = probe
-            by_seed.setdefault(spec.seed, []).append(probe.fingerprint())
-        spec.depends_on = sft[probe.fingerprint()]
+        spec.depends_on = sft.setdefault(probe.fingerprint(), probe)
         spec.config["stages"] = [s for s in spec.config["stages"] if s != "sft"]
-    for fingerprints in by_seed.values():
-        if len(fingerprints) > 1:  # e.g. a sweep over sft.* options: one SFT run per value
-            for fp in fingerprints:
-                sft[fp].label = f"_sft_{fp[:8]}"
-    out: list[RunSpec] = []
-    for spec in runs:
-        out += [spec] if any(s is spec.depends_on for s in out) else [spec.depends_on, spec]
+        out += [probe, spec] if spec.depends_on is probe else [spec]
+    per_seed = Counter(s.seed for s in sft.values())
+    for fingerprint, s in sft.items():  # several for one seed (e.g. a sweep over sft.* options): named apart
+        if per_seed[s.seed] > 1:
+            s.label = f"_sft_{fingerprint[:8]}"
     return out

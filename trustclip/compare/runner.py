@@ -99,134 +99,115 @@ def acquire_compare_lock(root: Path) -> Any:
     return handle
 
 
+@dataclass
+class Execution:
+    """What `execute` did: run ids finished now, finished before, failed (with reasons); stopped by a signal."""
+
+    finished: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    interrupted: bool = False
+
+
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
             threads: int | None = None, resume_partial: bool = False, redo_changed: bool = False,
             pipeline: str | None = None, run_timeout: float | None = None, progress: Callable[[str], None] = print,
             progress_every: float = 30.0) -> Execution:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
-    `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores); events go to
-    `log_dir` (default `root`). Safe to call again after any interruption."""
+    `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
+    (SFT runs first; an RL run waits for a free slot and for its SFT run to end); events go to `log_dir` (default
+    `root`). One thread polls the workers, so nothing is shared. Safe to call again after any interruption."""
     for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
-    with acquire_compare_lock(Path(root)) as lock:
-        check_changed(runs, redo_changed)
-        return Execution(list(runs), Path(log_dir or root), jobs, threads or max(1, cores // jobs), resume_partial,
-                         pipeline, run_timeout, progress, lock.fileno(), progress_every).run()
+    threads = threads or max(1, cores // jobs)
+    out, say, last_status = Execution(), progress, time.time()
+    running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = {}  # run id -> (spec, worker, start, resumed)
 
+    def log(event: str, run_id: str, **extra: Any) -> None:
+        append_jsonl(Path(log_dir or root) / LOG_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event,
+                                                        "run": run_id, **extra})
 
-@dataclass
-class Execution:
-    """The workers, polled by one thread (so no shared state), and what they did: run ids finished now, already
-    finished before, failed (with reasons)."""
+    def fail(spec: RunSpec, reason: str, **extra: Any) -> None:
+        out.failed[spec.run_id] = reason
+        log("fail", spec.run_id, reason=reason, **extra)
+        tail = extra.get("tail")
+        say(f"! FAILED {spec.run_id}: {reason}" + ("\n    " + tail.replace("\n", "\n    ") if tail else ""))
 
-    runs: list[RunSpec]
-    log_dir: Path
-    jobs: int
-    threads: int
-    resume_partial: bool
-    pipeline: str | None
-    run_timeout: float | None
-    say: Callable[[str], None]
-    lock_fd: int  # the pool lock, inherited by every worker
-    progress_every: float
-    finished: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    interrupted: bool = False
-    running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = field(default_factory=dict)
-    last_status: float = field(default_factory=time.time)
-
-    def run(self) -> Execution:
-        self.skipped = [spec.run_id for spec in self.runs if is_finished(spec)]
-        todo = [spec for spec in self.runs if spec.run_id not in self.skipped]
-        for run_id in self.skipped:
-            self.log("skip", run_id)
-        self.say(f"{len(self.runs)} runs: {len(self.skipped)} already finished, {len(todo)} to run "
-                 f"({self.jobs} in parallel, {self.threads} torch thread(s) each)")
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        with contextlib.suppress(ValueError):  # not the main thread: no handlers
-            for sig in handlers:
-                signal.signal(sig, _stop)
-        try:  # in plan order, SFT runs first: an RL run waits for a free slot and for its SFT run to end
-            for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):
-                dep = spec.depends_on
-                while len(self.running) >= self.jobs or (dep is not None and dep.run_id in self.running):
-                    self.wait()
-                if dep is not None and not is_finished(dep):
-                    self.fail(spec, f"its SFT run {dep.run_id} failed")
-                else:
-                    self.start(spec)
-            while self.running:
-                self.wait()
-        except KeyboardInterrupt:
-            self.interrupted = True
-            self.say(f"interrupted: stopping {len(self.running)} running run(s); rerun the same command to resume")
-            _kill([process for _, process, _, _ in self.running.values()])
-            for run_id, (_, _, started, _) in self.running.items():
-                self.log("interrupted", run_id, seconds=time.time() - started)
-        finally:
-            with contextlib.suppress(ValueError):
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
-        return self
-
-    def wait(self) -> None:
-        """Sleep a poll, record the workers that ended; every `progress_every` seconds, a status line."""
-        time.sleep(POLL)
-        self.reap()
-        if self.running and time.time() - self.last_status >= self.progress_every:
-            self.last_status = time.time()
-            self.say(f"  {len(self.finished) + len(self.skipped)}/{len(self.runs)} done, {len(self.failed)} failed; "
-                     "running: " + ", ".join(f"{run_id} ({_clock(self.last_status - started)})"
-                                             for run_id, (_, _, started, _) in self.running.items()))
-
-    def start(self, spec: RunSpec) -> None:
-        resumed = prepare_run_dir(spec, self.resume_partial, self.pipeline)
-        cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(self.threads),
-               *(["--resume"] if resumed else [])]
+    def start(spec: RunSpec, lock_fd: int) -> None:
+        resumed = prepare_run_dir(spec, resume_partial, pipeline)
+        cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads), *(["--resume"] if resumed else [])]
         env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(self.threads))}
-        with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as log:  # its own process group, for _kill
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                       pass_fds=(self.lock_fd,))
-        self.running[spec.run_id] = (spec, process, time.time(), resumed)
-        self.log("start", spec.run_id, pid=process.pid, resumed=resumed)
-        self.say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
+               **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}
+        with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
+            process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True, pass_fds=(lock_fd,))
+        running[spec.run_id] = (spec, process, time.time(), resumed)
+        log("start", spec.run_id, pid=process.pid, resumed=resumed)
+        say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
 
-    def reap(self) -> None:
-        """Record the workers that exited, and stop (as failed) those past the time limit."""
-        for run_id, (spec, process, started, resumed) in list(self.running.items()):
+    def wait() -> None:
+        """Sleep a poll; record the workers that ended, stop (as failed) those past the time limit; every
+        `progress_every` seconds, a status line."""
+        nonlocal last_status
+        time.sleep(POLL)
+        for run_id, (spec, process, started, resumed) in list(running.items()):
             seconds, reason = time.time() - started, ""
             if process.poll() is None:
-                if self.run_timeout is None or seconds < self.run_timeout:
+                if run_timeout is None or seconds < run_timeout:
                     continue
                 _kill([process])
                 reason = f"timed out after {seconds:.0f} s (--run-timeout)"
-            del self.running[run_id]
-            log = spec.run_dir / WORKER_LOG
+            del running[run_id]
             if process.returncode == 0 and is_finished(spec):
-                self.finished.append(run_id)
-                self.log("finish", run_id, seconds=seconds)
-                self.say(f"< done  {run_id} in {_clock(seconds)} [{len(self.finished) + len(self.skipped)}/"
-                         f"{len(self.runs)}]")
+                out.finished.append(run_id)
+                log("finish", run_id, seconds=seconds)
+                say(f"< done  {run_id} in {_clock(seconds)} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
                 continue
-            lines = log.read_text(errors="replace").replace("\r", "\n").strip().splitlines() if log.is_file() else []
-            self.fail(spec, f"{reason or f'worker exited with code {process.returncode}'}; log: {log}"
-                      + (f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""),
-                      seconds=seconds, returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
+            path = spec.run_dir / WORKER_LOG
+            lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines() if path.is_file() else []
+            fail(spec, f"{reason or f'worker exited with code {process.returncode}'}; log: {path}"
+                 + (f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""),
+                 seconds=seconds, returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
+        if running and time.time() - last_status >= progress_every:
+            last_status = time.time()
+            say(f"  {len(out.finished) + len(out.skipped)}/{len(runs)} done, {len(out.failed)} failed; running: "
+                + ", ".join(f"{run_id} ({_clock(last_status - t)})" for run_id, (_, _, t, _) in running.items()))
 
-    def fail(self, spec: RunSpec, reason: str, **extra: Any) -> None:
-        self.failed[spec.run_id] = reason
-        self.log("fail", spec.run_id, reason=reason, **extra)
-        tail = extra.get("tail")
-        self.say(f"! FAILED {spec.run_id}: {reason}" + ("\n    " + tail.replace("\n", "\n    ") if tail else ""))
-
-    def log(self, event: str, run_id: str, **extra: Any) -> None:
-        append_jsonl(self.log_dir / LOG_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event,
-                                               "run": run_id, **extra})
+    with acquire_compare_lock(Path(root)) as lock:
+        check_changed(runs, redo_changed)
+        out.skipped = [spec.run_id for spec in runs if is_finished(spec)]
+        todo = [spec for spec in runs if spec.run_id not in out.skipped]
+        for run_id in out.skipped:
+            log("skip", run_id)
+        say(f"{len(runs)} runs: {len(out.skipped)} already finished, {len(todo)} to run ({jobs} in parallel, "
+            f"{threads} torch thread(s) each)")
+        handlers = {}
+        with contextlib.suppress(ValueError):  # not the main thread: no handlers
+            handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):
+                dep = spec.depends_on
+                while len(running) >= jobs or (dep is not None and dep.run_id in running):
+                    wait()
+                if dep is not None and not is_finished(dep):
+                    fail(spec, f"its SFT run {dep.run_id} failed")
+                else:
+                    start(spec, lock.fileno())
+            while running:
+                wait()
+        except KeyboardInterrupt:
+            out.interrupted = True
+            say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
+            _kill([process for _, process, _, _ in running.values()])
+            for run_id, (_, _, started, _) in running.items():
+                log("interrupted", run_id, seconds=time.time() - started)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+    return out
 
 
 def _stop(*_: Any) -> None:
