@@ -87,7 +87,7 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
 
     paths = []
     if training := panels("training_curves", "RL step", None, series_points,
-                          [(label, (key, window)) for key, label in SERIES.items()]):
+                          [(label, (key, window)) for key, (label, *_) in SERIES.items()]):
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
         paths.append(plot_bands(out / "training_curves.png", training, title, ncols=4))
         paths += [plot_bands(out / f"training_{p['title'].split(' (')[0].replace(' ', '_')}.png", [p], title, ncols=1)

@@ -50,8 +50,6 @@ from trustclip.compare.stats import (
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
-DYNAMICS = (f"{names.REWARD} (last 10%)", f"{names.ENTROPY} (last 10%)", f"{names.COMPLETION_LENGTH} (last 10%)",
-            f"{names.CLIP_ANY} (mean)", f"{OFFPOLICY} (mean)", f"{names.CLIP_LOW} (mean)", f"{names.CLIP_HIGH} (mean)")
 CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
                "value", "run")
 
@@ -257,15 +255,14 @@ def table3(groups: Sequence[Group], splits: Sequence[str], metric: str, start: d
 
 
 def dynamics_table(groups: Sequence[Group]) -> str:
-    """End-of-training reward / entropy / length and the mean clip fractions over RL, per group."""
-    keys = [k for k in DYNAMICS if any(f"dynamics/{k}" in g.values for g in groups)]
+    """End-of-training reward / entropy / length and the mean clip fractions over RL (`SERIES`), per group."""
+    keys = [(key, label, how, digits) for key, (label, how, digits) in SERIES.items()
+            if any(f"dynamics/{key} ({how})" in g.values for g in groups)]
     if not keys:
         return "_No RL metrics were logged._"
-    labels = [SERIES[k.rsplit(" (", 1)[0]] + (" (mean over RL)" if k.endswith("(mean)") else " (last 10%)")
-              for k in keys]
-    digits = [1 if "length" in k else (4 if "_frac" in k else 3) for k in keys]
+    labels = [f"{label} ({'mean over RL' if how == 'mean' else how})" for _, label, how, _ in keys]
     return _numeric(["Objective", *labels, "seconds per run"], [
-        [g.group] + [fmt_pm(g.stat(f"dynamics/{k}"), 1.0, d) for k, d in zip(keys, digits, strict=True)]
+        [g.group] + [fmt_pm(g.stat(f"dynamics/{key} ({how})"), 1.0, digits) for key, _, how, digits in keys]
         + [fmt_pm(g.stat("seconds"), 1.0, 0)] for g in groups])
 
 
