@@ -110,9 +110,9 @@ def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[
     curves = {s: c for s, c in curves.items() if s != AVERAGE}
     if not curves or len({tuple(c.get("k", ())) for c in curves.values()}) != 1:
         return curves
-    ks = next(iter(curves.values()))["k"]
-    average = {"k": list(ks)} | {kind: [float(np.mean([c[kind][i] for c in curves.values()])) for i in range(len(ks))]
-                                 for kind in ("mean", "pass") if all(kind in c for c in curves.values())}
+    average = {"k": list(next(iter(curves.values()))["k"])} | {
+        kind: np.mean([c[kind] for c in curves.values()], axis=0).tolist() for kind in ("mean", "pass")
+        if all(kind in c for c in curves.values())}
     return {**curves, AVERAGE: average}
 
 
