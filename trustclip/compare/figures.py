@@ -6,22 +6,22 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from trustclip.compare.results import SERIES, Group, metric_title, title_of
-from trustclip.figures import COLORS, color_for, figure_context, new_figure, pyplot, save_figure, style_axes
+from trustclip.compare.stats import Stat
+from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window, smooth
 
 FIGURES_DIR = "figures"
 PerSeed = list[tuple[np.ndarray, np.ndarray]]  # (x, y) of each seed
 
 
-@dataclass
-class Band:
+class Band(NamedTuple):
     """A curve over seeds: mean and std (NaN with one seed) at the x values every seed has."""
 
     x: np.ndarray
@@ -31,11 +31,9 @@ class Band:
 
 
 def band(per_seed: PerSeed) -> Band | None:
-    if not per_seed:
+    """None when no seed has the curve or the seeds share no x value."""
+    if not per_seed or not (common := reduce(np.intersect1d, (x for x, _ in per_seed))).size:
         return None
-    common = per_seed[0][0]
-    for x, _ in per_seed[1:]:
-        common = np.intersect1d(common, x)
     stack = np.array([y[np.searchsorted(x, common)] for x, y in per_seed])
     std = stack.std(axis=0, ddof=1) if len(per_seed) > 1 else np.full(common.size, np.nan)
     return Band(common, stack.mean(axis=0), std, len(per_seed))
@@ -77,7 +75,7 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         """A panel per (title, args of `points`) that some group has data for (ylabel None: the title)."""
         made = []
         for title, args in specs:
-            bands = {g.group: b for g in groups if (b := band(points(g, *args))) is not None and b.x.size}
+            bands = {g.group: b for g in groups if (b := band(points(g, *args)))}
             rows.extend({"figure": name, "panel": title, "group": group, "x": float(x), "mean": float(m),
                          "std": float(s), "n_seeds": b.n}
                         for group, b in bands.items() for x, m, s in zip(b.x, b.mean, b.std, strict=True))
@@ -87,7 +85,7 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
 
     paths = []
     if training := panels("training_curves", "RL step", None, series_points,
-                          [(label, (key, window)) for key, label in SERIES.items()]):
+                          [(label, (key, window)) for key, (label, *_) in SERIES.items()]):
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
         paths.append(plot_bands(out / "training_curves.png", training, title, ncols=4))
         paths += [plot_bands(out / f"training_{p['title'].split(' (')[0].replace(' ', '_')}.png", [p], title, ncols=1)
@@ -101,20 +99,14 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         paths.append(plot_bands(out / "at_k.png", at_k, "Mean@k and Pass@k of the final policy vs k, mean ± std",
                                 ncols=len(splits)))
     if swept := [g for g in groups if g.sweep_key is not None]:
-        sweep = []
-        for metric in metrics:
-            stats = {g.group: g.stat(f"final/{splits[-1]}/{metric}") for g in groups}
-            rows.extend({"figure": "sweep", "panel": metric, "group": g.group, "x": g.sweep_value,
-                         "mean": stats[g.group].mean, "std": stats[g.group].std, "n_seeds": stats[g.group].n}
-                        for g in swept)
-            series: dict[str, dict[str, list]] = {}
-            for g in swept:
-                for name, value in (("x", g.sweep_value), ("mean", stats[g.group].mean), ("std", stats[g.group].std)):
-                    series.setdefault(g.label, {"x": [], "mean": [], "std": []})[name].append(value)
-            sweep.append({"title": f"{title_of(splits[-1])} {metric_title(metric)} (final)", "series": series,
-                          "references": {g.group: stats[g.group] for g in groups if g.sweep_key is None}})
-        paths.append(plot_sweep(out / "sweep.png", swept[0].sweep_key, sweep,
-                                f"Final {title_of(splits[-1])} accuracy vs {swept[0].sweep_key}"))
+        avg = splits[-1]
+        sweep = [(f"{title_of(avg)} {metric_title(m)} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
+                 for m in metrics]
+        rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.sweep_value, "mean": stats[g.group].mean,
+                     "std": stats[g.group].std, "n_seeds": stats[g.group].n}
+                    for m, (_, stats) in zip(metrics, sweep, strict=True) for g in swept)
+        paths.append(plot_sweep(out / "sweep.png", groups, sweep,
+                                f"Final {title_of(avg)} accuracy vs {swept[0].sweep_key}"))
     return paths, rows
 
 
@@ -127,13 +119,13 @@ def distinct_colors(names: Sequence[str]) -> dict[str, str]:
     out = {n: COLORS[n] for n in names if n in COLORS}
     free = [c for c in (to_hex(cmap(i)) for i in range(cmap.N)) if c not in out.values()]
     for i, name in enumerate(n for n in names if n not in out):
-        out[name] = free[i % len(free)] if free else color_for(name)
+        out[name] = free[i % len(free)]  # never empty: COLORS holds 2 of tab10's colours
     return out
 
 
 def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: int) -> Path:
     """A grid of panels, one line per group with its mean ± std band shaded, one colour per group, one legend."""
-    ncols = max(1, min(ncols, len(panels)))
+    ncols = min(ncols, len(panels))
     with figure_context():
         colors = distinct_colors(list(dict.fromkeys(g for p in panels for g in p["bands"])))
         fig, axes = new_figure(math.ceil(len(panels) / ncols), ncols, width=5.0, height=3.4)
@@ -159,26 +151,28 @@ def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: 
         return save_figure(fig, path)
 
 
-def plot_sweep(path: Path, key: str, panels: Sequence[dict[str, Any]], title: str) -> Path:
-    """Final accuracy against the swept value (paper Figure 3): the swept groups with ± std error bars, the groups
-    without the parameter as horizontal lines with a ± std band; a log x axis when the values span 4x or more."""
+def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
+    """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): the swept groups
+    with ± std error bars, the groups without the parameter as horizontal lines with a ± std band; a log x axis when
+    the values span 4x or more."""
+    swept, references = [g for g in groups if g.sweep_key is not None], [g for g in groups if g.sweep_key is None]
+    key, xs, labels = swept[0].sweep_key, [g.sweep_value for g in swept], list(dict.fromkeys(g.label for g in swept))
     with figure_context():
-        colors = distinct_colors(list(dict.fromkeys(g for p in panels for g in [*p["series"], *p["references"]])))
+        colors = distinct_colors(list(dict.fromkeys([*labels, *(g.group for g in references)])))
         fig, axes = new_figure(1, len(panels), width=4.8, height=3.6)
-        for ax, panel in zip(axes.flat, panels, strict=True):
-            for group, s in panel["series"].items():
-                ax.errorbar(s["x"], s["mean"], yerr=np.nan_to_num(np.asarray(s["std"], float)), color=colors[group],
-                            marker="o", ms=4, capsize=3, lw=1.6, label=group)
-            for group, r in panel["references"].items():
-                ax.axhline(r.mean, color=colors[group], ls="--", lw=1.2, label=f"{group} (no {key})")
+        for ax, (panel, stats) in zip(axes.flat, panels, strict=True):
+            for label, members in ((lb, [g for g in swept if g.label == lb]) for lb in labels):
+                ax.errorbar([g.sweep_value for g in members], [stats[g.group].mean for g in members],
+                            yerr=np.nan_to_num(np.asarray([stats[g.group].std for g in members], float)),
+                            color=colors[label], marker="o", ms=4, capsize=3, lw=1.6, label=label)
+            for g, r in ((g, stats[g.group]) for g in references):
+                ax.axhline(r.mean, color=colors[g.group], ls="--", lw=1.2, label=f"{g.group} (no {key})")
                 if np.isfinite(r.std) and r.std > 0:
-                    ax.axhspan(r.mean - r.std, r.mean + r.std, color=colors[group], alpha=0.1, lw=0)
-            xs = [x for s in panel["series"].values() for x in s["x"]]
-            positive = sorted({x for x in xs if isinstance(x, int | float) and x > 0})
-            if positive and all(isinstance(x, int | float) and x > 0 for x in xs) and positive[-1] / positive[0] >= 4:
+                    ax.axhspan(r.mean - r.std, r.mean + r.std, color=colors[g.group], alpha=0.1, lw=0)
+            if all(isinstance(x, int | float) and x > 0 for x in xs) and max(xs) / min(xs) >= 4:
                 ax.set_xscale("log")
-                ax.set_xticks(positive, [f"{v:g}" for v in positive])
+                ax.set_xticks(sorted(set(xs)), [f"{v:g}" for v in sorted(set(xs))])
                 ax.minorticks_off()
-            style_axes(ax, title=panel["title"], xlabel=key, ylabel="accuracy")
+            style_axes(ax, title=panel, xlabel=key, ylabel="accuracy")
         fig.suptitle(title)
         return save_figure(fig, path)

@@ -18,7 +18,7 @@ from typing import Any
 
 from trustclip import metric_names as names
 from trustclip.compare.figures import FIGURES_DIR, make_figures
-from trustclip.compare.plan import RunSpec, format_value, resolve_reference
+from trustclip.compare.plan import RunSpec, format_value
 from trustclip.compare.results import (
     AVERAGE,
     OFFPOLICY,
@@ -50,52 +50,43 @@ from trustclip.compare.stats import (
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
-DYNAMICS = (f"{names.REWARD} (last 10%)", f"{names.ENTROPY} (last 10%)", f"{names.COMPLETION_LENGTH} (last 10%)",
-            f"{names.CLIP_ANY} (mean)", f"{OFFPOLICY} (mean)", f"{names.CLIP_LOW} (mean)", f"{names.CLIP_HIGH} (mean)")
 CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
                "value", "run")
 
 
 # ------------------------------------------------------------------------------------------------- numbers
-def fmt_pct(x: float | None, digits: int = 1) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.{digits}f}"
+def fmt(x: float | None, scale: float = 100.0, digits: int = 1, sign: str = "") -> str:
+    """scale * x rounded, 'n/a' for None or NaN; `sign` "+" for a signed difference (infinite bounds: '+inf')."""
+    if x is None or math.isnan(x):
+        return "n/a"
+    return ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:{sign}.{digits}f}"
 
 
 def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
     """'41.2 ± 1.3' ('41.2' for one seed, 'n/a' for none)."""
-    return "n/a" if not s.n else f"{scale * s.mean:.{digits}f}" + (f" ± {scale * s.std:.{digits}f}" if s.n > 1 else "")
-
-
-def fmt_signed(x: float, scale: float = 100.0, digits: int = 1) -> str:
-    return "n/a" if math.isnan(x) else ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:+.{digits}f}"
+    return fmt(s.mean, scale, digits) + (f" ± {fmt(s.std, scale, digits)}" if s.n > 1 else "")
 
 
 def fmt_amount(x: float, o: Outcome = PRIMARY) -> str:
     """'+1.2 points': a difference in the outcome's unit."""
-    return f"{fmt_signed(x, o.scale, o.digits)}{o.unit}"
+    return fmt(x, o.scale, o.digits, "+") + o.unit
 
 
 def fmt_interval(d: Difference, o: Outcome = PRIMARY) -> str:
-    """'[+1.1, +5.0]' ('n/a' below 2 seeds)."""
-    return "n/a" if d.n < 2 else f"[{fmt_signed(d.low, o.scale, o.digits)}, {fmt_signed(d.high, o.scale, o.digits)}]"
+    return "n/a" if d.n < 2 else f"[{fmt(d.low, o.scale, o.digits, '+')}, {fmt(d.high, o.scale, o.digits, '+')}]"
+
+
+def fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
+    if e is None:
+        return "n/a"
+    return fmt(e.value, scale, digits) + (" (no interval)" if math.isnan(e.low) else
+                                          f" [{fmt(e.low, scale, digits)}, {fmt(e.high, scale, digits)}]")
 
 
 def needed_text(d: Difference) -> str:
-    if d.n < 2 or not d.sd > 0 or d.mean == 0:
-        return "not estimable"
-    return str(d.seeds_needed) if d.seeds_needed is not None else f"> {MAX_SEEDS}"
-
-
-def outcome_label(outcome: Outcome, k: int) -> str:
-    return outcome.label.format(k=k)
-
-
-def _fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
-    if e is None:
-        return "n/a"
-    if math.isnan(e.low):
-        return f"{scale * e.value:.{digits}f} (no interval)"
-    return f"{scale * e.value:.{digits}f} [{scale * e.low:.{digits}f}, {scale * e.high:.{digits}f}]"
+    if d.seeds_needed is not None:
+        return str(d.seeds_needed)
+    return f"> {MAX_SEEDS}" if d.n >= 2 and d.sd > 0 and d.mean != 0 else "not estimable"
 
 
 # ----------------------------------------------------------------------------------------------- sentences
@@ -118,20 +109,21 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
     return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
 
-def rank_sentence(name: str, groups: Sequence[Group], outcome: Outcome = PRIMARY) -> str:
-    """Which group has the highest mean of `outcome`, and which others its paired intervals resolve it from."""
-    means = {g.group: g.stat(outcome.key) for g in groups}
+def rank_sentence(name: str, groups: Sequence[Group]) -> str:
+    """Which group has the highest mean of the primary outcome, and which others its paired intervals resolve it
+    from."""
+    means = {g.group: g.stat(PRIMARY.key) for g in groups}
     ranked = sorted((g for g in groups if means[g.group].n), key=lambda g: means[g.group].mean, reverse=True)
     if len(ranked) < 2:
         return f"{name}: fewer than two groups with finished runs, no ordering."
     top, best = ranked[0], means[ranked[0].group]
     tied = [g.group for g in ranked if means[g.group].mean == best.mean]
-    value = f"{fmt_pm(best, outcome.scale, outcome.digits)}{outcome.unit}"
+    value = fmt_pm(best) + PRIMARY.unit
     if len(tied) > 1:
         who = ", ".join(f"**{g}**" for g in tied)
         return f"{name}: {who} share the highest mean ({value}); no ordering among them."
-    verdicts = {g.group: paired_difference(top.values[outcome.key], g.values[outcome.key], group=top.group,
-                                           ref=g.group, outcome=outcome.key).verdict for g in ranked[1:]}
+    verdicts = {g.group: paired_difference(top.values[PRIMARY.key], g.values[PRIMARY.key], group=top.group,
+                                           ref=g.group, outcome=PRIMARY.key).verdict for g in ranked[1:]}
     above, open_ = ([g for g, v in verdicts.items() if (v == "higher") == want] for want in (True, False))
     text = f"{name}: **{top.group}** has the highest mean ({value}, n = {best.n})"
     if not open_:
@@ -143,17 +135,17 @@ def rank_sentence(name: str, groups: Sequence[Group], outcome: Outcome = PRIMARY
                   f"{', '.join(open_)}."
 
 
-def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome = PRIMARY) -> str:
+def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome) -> str:
     """The sweep's trend (`stats.sweep_trend`): the per-seed slope of an outcome and its interval."""
     key = members[0].sweep_key
     d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
-    text = (f"Trend of {label} over {key} (least-squares slope of {outcome_label(o, k)} on "
+    text = (f"Trend of {label} over {key} (least-squares slope of {o.label.format(k=k)} on "
             f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
     if d.n < 2:
         return text + f"{d.n} complete seed(s), no interval."
     text += (f"{fmt_amount(d.mean, o)} {f'per tenfold {key}' if log else f'per unit of {key}'} "
              f"[{LEVEL:.0%} CI {fmt_interval(d, o)[1:-1]}], n = {d.n} (per seed: "
-             + ", ".join(fmt_signed(v, o.scale, o.digits) for v in d.differences) + ")")
+             + ", ".join(fmt(v, o.scale, o.digits, "+") for v in d.differences) + ")")
     verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
     return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
 
@@ -161,32 +153,27 @@ def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome = PR
 def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
     """The Findings: sentences generated from the paired intervals."""
-    avg, k = AVERAGE if AVERAGE in splits else splits[-1], int(metrics[0].partition("@")[2])
+    avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
     primary = f"{title_of(avg)} {metric_title(metrics[0])}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
            + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
     if not any(g.group == reference for g in groups):
         out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
-    out += [difference_sentence(d, outcome_label(PRIMARY, k)) for d in diffs if d.outcome == PRIMARY.key]
+    out += [difference_sentence(d, PRIMARY.label.format(k=k)) for d in diffs if d.outcome == PRIMARY.key]
     if resolved := [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]:
         out.append("Other outcomes whose paired interval excludes 0: " + "; ".join(
-            f"{d.group} {outcome_label(o := OUTCOME[d.outcome], k)} {fmt_amount(d.mean, o)} {fmt_interval(d, o)} "
+            f"{d.group} {(o := OUTCOME[d.outcome]).label.format(k=k)} {fmt_amount(d.mean, o)} {fmt_interval(d, o)} "
             f"({d.verdict})" for d in resolved) + ".")
     elif diffs:
         out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
     out.append(rank_sentence(f"{primary} of the final policy", groups))
-    for g in groups:  # the change over RL, paired within each run (final policy - its own RL start)
-        gain = g.values.get(f"gain/{avg}/{metrics[0]}", {})
-        out.append(difference_sentence(paired_difference(gain, dict.fromkeys(g.seeds, 0.0), group=g.group,
-                                                          ref="RL start", outcome="gain"),
-                                       f"held-out {title_of(avg)} Mean@{k}"))
-    for key in ("eval_entropy", "eval_length"):  # where the evaluations recorded them: how RL moved the completions
-        o, what = OUTCOME[key], key.removeprefix("eval_")
-        for g in groups:
-            final, start = (g.values.get(f"completions/{when}/{avg}/{what}", {}) for when in ("final", "before"))
-            if final:
-                change = paired_difference(final, start, group=g.group, ref="RL start", outcome=key)
-                out.append(difference_sentence(change, o.label.replace(", final", f", {title_of(avg)}"), o))
+    # how RL moved each run: final policy - its own RL start, paired within the run (completions where recorded)
+    changes = [(f"final/{avg}/{metrics[0]}", f"before/{avg}/{metrics[0]}", PRIMARY, f"held-out {primary}")] + [
+        (f"completions/final/{avg}/{what}", f"completions/before/{avg}/{what}", o := OUTCOME[f"eval_{what}"],
+         o.label.replace(", final", f", {title_of(avg)}")) for what in ("entropy", "length")]
+    out += [difference_sentence(paired_difference(g.values[final], g.values.get(start, {}), group=g.group,
+                                                  ref="RL start", outcome=o.key), what, o)
+            for final, start, o, what in changes for g in groups if final in g.values]
     swept: dict[str, list[Group]] = {}
     for g in (g for g in groups if g.sweep_key is not None):
         swept.setdefault(g.label, []).append(g)
@@ -210,110 +197,87 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     return out
 
 
-def method_lines(reference: str, k: int) -> list[str]:
-    return [
-        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), "
-        f"averaged over the n seeds both groups have finished. {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
-        f"of the mean difference, seeds resampled in pairs ({RESAMPLES} resamples of the per-seed differences, "
-        "`scipy.stats.bootstrap`); a percentile or BCa interval stays inside the range of the seeds and under-covers "
-        "with a handful of them (see `trustclip/compare/stats.py`). With 2-3 seeds the interval is unbounded (a "
-        "resample that repeats one seed has no spread).",
-        "Verdict: higher / lower only when the interval excludes 0; identical: every difference exactly 0. Seeds "
-        "needed: the number of seeds at which a two-sided paired t-test at alpha 0.05 has power 0.8 if the observed "
-        f"mean and standard deviation of the differences were the true ones (> {MAX_SEEDS}: more than that; not "
-        "estimable: no spread, no difference or one seed); the bootstrap-t interval is wider than the t-test's at a "
-        "handful of seeds, so it may need a few more.",
-        f"Outcomes on the held-out average; train reward, entropy and length over the last 10% of RL steps; "
-        f"active-constraint fraction = `{names.CLIP_ANY}`, off-policy fraction = `{OFFPOLICY}`, both averaged over "
-        f"RL; collapse = 1 for a run whose final held-out Mean@{k} is below its own RL start.",
-    ]
-
-
 # -------------------------------------------------------------------------------------------------- tables
-def _table(head: Sequence[str], align: str, rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table; `align`: the separator line after the first column's `|---`."""
-    return "\n".join(["| " + " | ".join(head) + " |", "|---" + align + "|",
+def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A markdown table; `align`: the separator after the first column's `|---` (default: the others right)."""
+    return "\n".join(["| " + " | ".join(head) + " |", "|---" + (align or "|---:" * (len(head) - 1)) + "|",
                       *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
-def _numeric(head: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A table whose columns after the first are right-aligned."""
-    return _table(head, "|---:" * (len(head) - 1), rows)
+def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float, int]], seeds: bool = False,
+               extra: Sequence[Sequence[Any]] = ()) -> str:
+    """Groups x outcomes of the tidy table as mean ± std over seeds; `columns`: (head, outcome, scale, digits)."""
+    return _table(["Objective", *(["seeds"] if seeds else []), *(head for head, *_ in columns)], [
+        [g.group, *([g.n] if seeds else []), *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)]
+        for g in groups] + list(extra))
 
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
     """Paper Table 2 layout: per split and on average, "final (best)" means over seeds, in %."""
-    return _numeric(["Objective"] + [f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics], [
-        [g.group] + [f"{fmt_pct(g.stat(f'final/{s}/{m}').mean)} ({fmt_pct(g.stat(f'best/{s}/{m}').mean)})"
-                     for s in splits for m in metrics] for g in groups])
+    return _table(["Objective", *(f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics)], [
+        [g.group, *(f"{fmt(g.stat(f'final/{s}/{m}').mean)} ({fmt(g.stat(f'best/{s}/{m}').mean)})"
+                    for s in splits for m in metrics)] for g in groups])
 
 
 def table3(groups: Sequence[Group], splits: Sequence[str], metric: str, start: dict[str, Stat] | None = None) -> str:
     """Paper Table 3 layout: final `metric` as mean ± std over seeds, per split and on average, in %."""
-    rows = [[g.group, g.n] + [fmt_pm(g.stat(f"final/{s}/{metric}")) for s in splits] for g in groups]
-    if start:
-        rows.append(["*RL start (SFT model)*", max(st.n for st in start.values())] + [fmt_pm(start[s]) for s in splits])
-    return _numeric(["Objective", "seeds"] + [title_of(s) for s in splits], rows)
+    extra = [["*RL start (SFT model)*", max(st.n for st in start.values()), *(fmt_pm(start[s]) for s in splits)]
+             ] if start else []
+    return stat_table(groups, [(title_of(s), f"final/{s}/{metric}", 100.0, 1) for s in splits], seeds=True, extra=extra)
 
 
 def dynamics_table(groups: Sequence[Group]) -> str:
-    """End-of-training reward / entropy / length and the mean clip fractions over RL, per group."""
-    keys = [k for k in DYNAMICS if any(f"dynamics/{k}" in g.values for g in groups)]
-    if not keys:
+    """End-of-training reward / entropy / length and the mean clip fractions over RL (`SERIES`), per group."""
+    columns = [(f"{label} ({'mean over RL' if how == 'mean' else how})", f"dynamics/{key} ({how})", 1.0, digits)
+               for key, (label, how, digits) in SERIES.items()
+               if any(f"dynamics/{key} ({how})" in g.values for g in groups)]
+    if not columns:
         return "_No RL metrics were logged._"
-    labels = [SERIES[k.rsplit(" (", 1)[0]] + (" (mean over RL)" if k.endswith("(mean)") else " (last 10%)")
-              for k in keys]
-    digits = [1 if "length" in k else (4 if "_frac" in k else 3) for k in keys]
-    return _numeric(["Objective", *labels, "seconds per run"], [
-        [g.group] + [fmt_pm(g.stat(f"dynamics/{k}"), 1.0, d) for k, d in zip(keys, digits, strict=True)]
-        + [fmt_pm(g.stat("seconds"), 1.0, 0)] for g in groups])
+    return stat_table(groups, [*columns, ("seconds per run", "seconds", 1.0, 0)])
 
 
 def completions_table(groups: Sequence[Group]) -> str | None:
     """Held-out completions' length (and entropy, where recorded) at the RL start and at the end, on the held-out
     average, per group; None when no run's evaluation recorded them."""
-    stats = [(key, label, digits) for key, label, digits in (("length", "length (tokens)", 1),
-                                                              ("entropy", "entropy (nats/token, T = 1)", 3))
-             if any(f"completions/final/{AVERAGE}/{key}" in g.values for g in groups)]
-    return _numeric(["Objective", *(f"{label}, {when}" for _, label, _ in stats for when in ("RL start", "final"))], [
-        [g.group] + [fmt_pm(g.stat(f"completions/{when}/{AVERAGE}/{key}"), 1.0, digits)
-                     for key, _, digits in stats for when in ("before", "final")] for g in groups]) if stats else None
+    stats = (("length", "length (tokens)", 1), ("entropy", "entropy (nats/token, T = 1)", 3))
+    columns = [(f"{label}, {when_text}", f"completions/{when}/{AVERAGE}/{key}", 1.0, digits)
+               for key, label, digits in stats
+               if any(f"completions/final/{AVERAGE}/{key}" in g.values for g in groups)
+               for when, when_text in (("before", "RL start"), ("final", "final"))]
+    return stat_table(groups, columns) if columns else None
 
 
-def runs_table(records: Sequence[RunRecord], splits: Sequence[str]) -> str:
-    metrics, avg = records[0].metrics, AVERAGE if AVERAGE in splits else splits[-1]
+def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
+    """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
+    return _table(["Group", "seeds", *(f"IQM {metric_title(m)} (%)" for m in metrics),
+                   *(f"P(group > {reference}), {metric_title(m)}" for m in metrics)], [
+        [g.group, g.n, *(fmt_estimate(aggregates.get(g.group, {}).get("iqm", {}).get(m)) for m in metrics),
+         *("(reference)" if g.group == reference else
+           fmt_estimate(aggregates.get(g.group, {}).get("poi", {}).get(m), 1.0, 2) for m in metrics)]
+        for g in groups])
+
+
+def runs_table(records: Sequence[RunRecord], avg: str) -> str:
     head = ["Run", "objective", "hyper-parameters", *(f"{title_of(avg)} {metric_title(m)} final (best)"
-                                                      for m in metrics), "evaluated checkpoints", "seconds"]
-    return _table(head, "|---|---" + "|---:" * (len(head) - 3), [
+                                                      for m in records[0].metrics), "evaluated checkpoints", "seconds"]
+    return _table(head, [
         [r.spec.run_id, r.spec.objective, ", ".join(f"{k}={format_value(v)}" for k, v in r.spec.hparams.items()
                                                     if v is not None) or "-",
-         *(f"{fmt_pct(r.final[avg][m])} ({fmt_pct(r.best[avg][m])})" for m in metrics), len(r.history),
-         f"{r.seconds.get('total', math.nan):.0f}"] for r in records])
+         *(f"{fmt(r.final[avg][m])} ({fmt(r.best[avg][m])})" for m in r.metrics), len(r.history),
+         f"{r.seconds.get('total', math.nan):.0f}"] for r in records], "|---|---" + "|---:" * (len(head) - 3))
 
 
 def paired_table(diffs: Sequence[Difference], k: int) -> str:
     """One row per (group, outcome): group - reference, its interval, seeds, verdict and seeds needed."""
     if not diffs:
         return "_No other group to compare with the reference._"
-    return _table(["Group", "Outcome", "Difference", f"{LEVEL:.0%} CI", "n", "Verdict", "Seeds needed"],
-                  "|---|---:|---:|---:|---|---:", [
-        [d.group, outcome_label(o := OUTCOME[d.outcome], k), fmt_amount(d.mean, o), fmt_interval(d, o), d.n,
-         d.verdict, needed_text(d)] for d in diffs])
-
-
-def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
-    """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
-    return _numeric(["Group", "seeds"] + [f"IQM {metric_title(m)} (%)" for m in metrics]
-                    + [f"P(group > {reference}), {metric_title(m)}" for m in metrics], [
-        [g.group, g.n] + [_fmt_estimate(aggregates.get(g.group, {}).get("iqm", {}).get(m)) for m in metrics]
-        + ["(reference)" if g.group == reference else
-           _fmt_estimate(aggregates.get(g.group, {}).get("poi", {}).get(m), 1.0, 2) for m in metrics]
-        for g in groups])
+    return _table(["Group", "Outcome", "Difference", f"{LEVEL:.0%} CI", "n", "Verdict", "Seeds needed"], [
+        [d.group, (o := OUTCOME[d.outcome]).label.format(k=k), fmt_amount(d.mean, o), fmt_interval(d, o), d.n,
+         d.verdict, needed_text(d)] for d in diffs], "|---|---:|---:|---:|---|---:")
 
 
 # ----------------------------------------------------------------------------------------------- the files
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
-             aggregates: dict | None = None) -> list[dict[str, Any]]:
+def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference], aggregates: dict) -> list[dict[str, Any]]:
     """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
     percentages), then one row per statistic of the paired comparisons and of the aggregates."""
     rows: list[dict[str, Any]] = []
@@ -327,7 +291,7 @@ def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference] = (),
               "value": info[name]} for d in diffs for info in (d.to_dict(),)
              for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
     rows += [{"section": kind, "group": group, "metric": metric, "statistic": name, "value": value}
-             for group, kinds in (aggregates or {}).items() for kind, per_metric in kinds.items()
+             for group, kinds in aggregates.items() for kind, per_metric in kinds.items()
              for metric, estimate in per_metric.items() for name, value in estimate.to_dict().items()]
     info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
                       "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
@@ -343,16 +307,12 @@ def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str
 
 
 def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str | Path, *, settings: dict[str, Any],
-                 planned: Sequence[RunSpec], failed: dict[str, str] | None = None, window: int | None = None,
-                 sft_runs: Sequence[RunSpec] = (), reference: str | None = None) -> dict[str, Path]:
-    """Write report.md, results.csv, results.json, curves.csv and the figures; returns their paths.
-    `reference`: the group the paired comparisons are against (default as `resolve_reference`)."""
-    out, failed = Path(out), failed or {}
-    if not records:
-        raise ValueError("no finished runs to report on")
-    splits, metrics, k, cfg = splits_of(records), list(records[0].metrics), records[0].k, records[0].spec.config
+                 planned: Sequence[RunSpec], failed: dict[str, str], window: int | None, sft_runs: Sequence[RunSpec],
+                 reference: str) -> dict[str, Path]:
+    """Write report.md, results.csv, results.json, curves.csv and the figures; returns their paths."""
+    out, splits, metrics, k = Path(out), splits_of(records), list(records[0].metrics), records[0].k
+    cfg = records[0].spec.config
     (m0, m1), rl, ev, data = (metric_title(m) for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
-    reference = reference or resolve_reference(None, [(g.group, g.label, g.objective) for g in groups])
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
     aggregates = group_aggregates(groups, reference, splits, metrics) if finished_reference else {}
@@ -362,67 +322,84 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
     if start_spread > 1e-9:
         text.append(f"Runs of the same seed started RL from SFT models whose {m0} differs by up to "
-                    f"{fmt_pct(start_spread)} points: SFT is not bit-reproducible here.")
+                    f"{fmt(start_spread)} points: SFT is not bit-reproducible here.")
     seconds = stat([r.seconds.get("total", math.nan) for r in records])
     sft = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
                 if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
-    md = ["# trustclip compare: " + ", ".join(g.group for g in groups), "", "## Setting", "",
-          f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
-          f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
-          f"- Model `{cfg['model']['name_or_path']}`; SFT "
-          f"{cfg['sft']['max_steps'] if 'sft' in cfg['stages'] or records[0].spec.depends_on else 0} "
-          f"steps; RL {rl['max_steps']} steps, G = {rl['num_generations']}, mu = {rl['num_iterations']}, "
-          f"lr = {rl['learning_rate']:g}, aggregation {rl['aggregation']}, advantages {rl['advantage_estimator']}",
-          f"- Train data `{data['train']}`; held-out `{', '.join(data['eval'])}`"
-          + (f" (first {data['eval_limit']} problems each)" if data.get("eval_limit") else ""),
-          f"- Evaluation: K = {ev['k']}, {ev.get('n_samples') or ev['k']} samples per problem, temperature "
-          f"{ev['temperature']:g}, top-p {ev['top_p']:g}, max {ev['max_new_tokens']} new tokens, sampling seed "
-          f"{ev['seed']}",
-          f"- Training seeds: {', '.join(map(str, sorted({r.spec.seed for r in records})))}; only the objective"
-          + (f", its hyper-parameters and `{settings['sweep']}`" if settings.get("sweep")
-             else " and its hyper-parameters") + " differ between runs",
-          f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
-          f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs",
-          *([f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model ({len(sft_runs)} "
-             f"SFT run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in the seconds per run below)"]
-            if sft_runs else []), "",
-          "## Findings (generated from the numbers below)", "", *[f"- {t}" for t in text], ""]
+    setting = [
+        f"- Recipe: `{settings.get('config') or 'embedded default'}`; overrides: "
+        f"`{' '.join(settings.get('overrides') or []) or 'none'}`",
+        f"- Model `{cfg['model']['name_or_path']}`; SFT "
+        f"{cfg['sft']['max_steps'] if 'sft' in cfg['stages'] or records[0].spec.depends_on else 0} "
+        f"steps; RL {rl['max_steps']} steps, G = {rl['num_generations']}, mu = {rl['num_iterations']}, "
+        f"lr = {rl['learning_rate']:g}, aggregation {rl['aggregation']}, advantages {rl['advantage_estimator']}",
+        f"- Train data `{data['train']}`; held-out `{', '.join(data['eval'])}`"
+        + (f" (first {data['eval_limit']} problems each)" if data.get("eval_limit") else ""),
+        f"- Evaluation: K = {ev['k']}, {ev.get('n_samples') or ev['k']} samples per problem, temperature "
+        f"{ev['temperature']:g}, top-p {ev['top_p']:g}, max {ev['max_new_tokens']} new tokens, sampling seed "
+        f"{ev['seed']}",
+        f"- Training seeds: {', '.join(map(str, sorted({r.spec.seed for r in records})))}; only the objective"
+        + (f", its hyper-parameters and `{settings['sweep']}`" if settings.get("sweep")
+           else " and its hyper-parameters") + " differ between runs",
+        f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
+        f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs"]
+    if sft_runs:
+        setting.append(f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model "
+                       f"({len(sft_runs)} SFT run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in "
+                       "the seconds per run below)")
+    # the blocks of report.md, separated by blank lines
+    md = ["# trustclip compare: " + ", ".join(g.group for g in groups), "## Setting", "\n".join(setting),
+          "## Findings (generated from the numbers below)", "\n".join(f"- {t}" for t in text)]
     if missing:
-        md += [f"**Missing runs ({len(missing)}):** " + ", ".join(missing), ""]
-        md += [f"- {run_id}: {why}" for run_id, why in failed.items()] + ([""] if failed else [])
-    md += [f"## Table 2 style: final (best) {m0} / {m1} in %, mean over seeds", "", table2(groups, splits, metrics),
-           "", "Final = last RL checkpoint; best = best evaluated RL checkpoint (see Findings). Average = mean over "
-           "the held-out splits.", "", f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)", "",
-           table3(groups, splits, metrics[0], start), "", f"Final {m1} in %, mean ± std over seeds:", "",
-           table3(groups, splits, metrics[1]), "", f"## Paired comparisons against {reference}", ""]
+        md.append(f"**Missing runs ({len(missing)}):** " + ", ".join(missing))
+        md += ["\n".join(f"- {run_id}: {why}" for run_id, why in failed.items())] if failed else []
+    md += [f"## Table 2 style: final (best) {m0} / {m1} in %, mean over seeds", table2(groups, splits, metrics),
+           "Final = last RL checkpoint; best = best evaluated RL checkpoint (see Findings). Average = mean over the "
+           "held-out splits.", f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)",
+           table3(groups, splits, metrics[0], start), f"Final {m1} in %, mean ± std over seeds:",
+           table3(groups, splits, metrics[1]), f"## Paired comparisons against {reference}"]
     if not finished_reference:
-        md += [f"_{reference} has no finished run yet._", ""]
+        md.append(f"_{reference} has no finished run yet._")
     else:
-        md += [paired_table(diffs, k), "", *[f"{line}\n" for line in method_lines(reference, k)],
-               f"## IQM and probability of improvement over {reference} (rliable)", "",
-               aggregates_table(groups, aggregates, reference, metrics), "",
+        md += [paired_table(diffs, k),
+               f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT "
+               f"model), averaged over the n seeds both groups have finished. {LEVEL:.0%} CI: studentised bootstrap "
+               f"(bootstrap-t) of the mean difference, seeds resampled in pairs ({RESAMPLES} resamples of the "
+               "per-seed differences, `scipy.stats.bootstrap`); a percentile or BCa interval stays inside the range "
+               "of the seeds and under-covers with a handful of them (see `trustclip/compare/stats.py`). With 2-3 "
+               "seeds the interval is unbounded (a resample that repeats one seed has no spread).",
+               "Verdict: higher / lower only when the interval excludes 0; identical: every difference exactly 0. "
+               "Seeds needed: the number of seeds at which a two-sided paired t-test at alpha 0.05 has power 0.8 if "
+               f"the observed mean and standard deviation of the differences were the true ones (> {MAX_SEEDS}: more "
+               "than that; not estimable: no spread, no difference or one seed); the bootstrap-t interval is wider "
+               "than the t-test's at a handful of seeds, so it may need a few more.",
+               "Outcomes on the held-out average; train reward, entropy and length over the last 10% of RL steps; "
+               f"active-constraint fraction = `{names.CLIP_ANY}`, off-policy fraction = `{OFFPOLICY}`, both averaged "
+               f"over RL; collapse = 1 for a run whose final held-out Mean@{k} is below its own RL start.",
+               f"## IQM and probability of improvement over {reference} (rliable)",
+               aggregates_table(groups, aggregates, reference, metrics),
                "IQM: interquartile mean of the final scores of every (seed, held-out split), in %. "
                f"P(group > {reference}): probability that a run of the group scores higher than a run of {reference} "
                "on a split (ties count one half), averaged over splits (Agarwal et al. 2021, arXiv 2108.13264). "
                f"Brackets: {LEVEL:.0%} percentile intervals of a stratified bootstrap (seeds resampled within each "
                "split), descriptive: with a handful of seeds they are too narrow, and the verdicts come from the "
-               "paired intervals above.", ""]
-    md += ["## Training dynamics (mean ± std over seeds)", "", dynamics_table(groups), ""]
+               "paired intervals above."]
+    md += ["## Training dynamics (mean ± std over seeds)", dynamics_table(groups)]
     if (held_out := completions_table(groups)) is not None:
-        md += ["## Held-out completions (mean ± std over seeds)", "", held_out, "",
+        md += ["## Held-out completions (mean ± std over seeds)", held_out,
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
-               "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens.", ""]
+               "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
     singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
-    md += ["## Figures", "", *(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
+    md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
     if singles:
-        md += ["", "Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles)]
-    md += ["", "## Runs", "", runs_table(records, splits), "", "## Files", "",
+        md.append("Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles))
+    md += ["## Runs", runs_table(records, splits[-1]), "## Files",
            "- `results.json`: every number above (fractions, unrounded; per seed and per group); `results.csv`: one "
-           "row per number of a run, then the paired comparisons and IQM / P(improvement)",
-           "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures",
+           "row per number of a run, then the paired comparisons and IQM / P(improvement)\n"
+           "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures\n"
            "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, metrics.jsonl, eval/, "
-           "plots/, checkpoints)", ""]
-    return {"report": write_text_atomic(out / "report.md", "\n".join(md)),
+           "plots/, checkpoints)"]
+    return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
@@ -430,7 +407,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                 "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
-                "outcomes": {o.key: outcome_label(o, k) for o in outcomes_of(groups)},
+                "outcomes": {o.key: o.label.format(k=k) for o in outcomes_of(groups)},
                 "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
                             "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds,
                             "values": g.values} for g in groups],

@@ -30,42 +30,45 @@ from trustclip.files import read_json, read_jsonl
 from trustclip.train.plots import series_from_rows
 
 OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
-SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log them), with their labels
-    names.REWARD: "reward (train)",
-    names.ENTROPY: "entropy (nats/token)",
-    names.COMPLETION_LENGTH: "completion length (tokens)",
-    names.CLIP_ANY: "active-constraint fraction",
-    OFFPOLICY: "off-policy fraction (ratio outside [0.8, 1.2])",
-    names.CLIP_LOW: "clip fraction low",
-    names.CLIP_HIGH: "clip fraction high",
+SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log them): label, report summary, digits
+    names.REWARD: ("reward (train)", "last 10%", 3),
+    names.ENTROPY: ("entropy (nats/token)", "last 10%", 3),
+    names.COMPLETION_LENGTH: ("completion length (tokens)", "last 10%", 1),
+    names.CLIP_ANY: ("active-constraint fraction", "mean", 4),
+    OFFPOLICY: ("off-policy fraction (ratio outside [0.8, 1.2])", "mean", 4),
+    names.CLIP_LOW: ("clip fraction low", "mean", 4),
+    names.CLIP_HIGH: ("clip fraction high", "mean", 4),
 }
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A per-run scalar that the report compares between groups, shown as scale * value in `unit` (`{k}` in the label
-    is the evaluation K)."""
+    """A per-run scalar that the report compares between groups: the tidy row `source` (`{split}`: the held-out
+    average, `{k}`: the evaluation K; None: computed by `run_rows`), shown as scale * value in `unit`."""
 
     key: str
     label: str
+    source: str | None
     scale: float = 100.0
     unit: str = " points"
     digits: int = 1
 
 
 OUTCOMES = (
-    Outcome("mean@K", "held-out Mean@{k}, final"),  # the primary outcome
-    Outcome("pass@K", "held-out Pass@{k}, final"),
-    Outcome("gain", "held-out Mean@{k} gain over the run's RL start"),
-    Outcome("entropy", "entropy, last 10% of RL (nats/token)", 1.0, " nats", 3),
-    Outcome("reward", "train reward, last 10% of RL", 1.0, "", 3),
-    Outcome("length", "completion length, last 10% of RL (tokens)", 1.0, " tokens", 1),
-    Outcome("clip_frac", "active-constraint fraction, mean over RL (% of tokens)", 100.0, " pp", 2),
-    Outcome("offpolicy_frac", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)",
+    Outcome("mean@K", "held-out Mean@{k}, final", "final/{split}/mean@{k}"),  # the primary outcome
+    Outcome("pass@K", "held-out Pass@{k}, final", "final/{split}/pass@{k}"),
+    Outcome("gain", "held-out Mean@{k} gain over the run's RL start", "gain/{split}/mean@{k}"),
+    Outcome("entropy", "entropy, last 10% of RL (nats/token)", f"dynamics/{names.ENTROPY} (last 10%)", 1.0, " nats", 3),
+    Outcome("reward", "train reward, last 10% of RL", f"dynamics/{names.REWARD} (last 10%)", 1.0, "", 3),
+    Outcome("length", "completion length, last 10% of RL (tokens)", f"dynamics/{names.COMPLETION_LENGTH} (last 10%)",
+            1.0, " tokens", 1),
+    Outcome("clip_frac", "active-constraint fraction, mean over RL (% of tokens)", f"dynamics/{names.CLIP_ANY} (mean)",
             100.0, " pp", 2),
-    Outcome("collapse", "collapse: final Mean@{k} below the RL start (% of runs)", 100.0, " pp", 0),
-    Outcome("eval_entropy", "held-out entropy, final (nats/token, T = 1)", 1.0, " nats", 3),
-    Outcome("eval_length", "held-out completion length, final (tokens)", 1.0, " tokens", 1),
+    Outcome("offpolicy_frac", "off-policy fraction (ratio outside [0.8, 1.2]), mean over RL (% of tokens)",
+            f"dynamics/{OFFPOLICY} (mean)", 100.0, " pp", 2),
+    Outcome("collapse", "collapse: final Mean@{k} below the RL start (% of runs)", None, 100.0, " pp", 0),
+    Outcome("eval_entropy", "held-out entropy, final (nats/token, T = 1)", None, 1.0, " nats", 3),
+    Outcome("eval_length", "held-out completion length, final (tokens)", None, 1.0, " tokens", 1),
 )
 OPTIONAL = ("eval_entropy", "eval_length")  # only in evaluations that recorded completion stats
 PRIMARY, OUTCOME = OUTCOMES[0], {o.key: o for o in OUTCOMES}
@@ -107,9 +110,9 @@ def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[
     curves = {s: c for s, c in curves.items() if s != AVERAGE}
     if not curves or len({tuple(c.get("k", ())) for c in curves.values()}) != 1:
         return curves
-    ks = next(iter(curves.values()))["k"]
-    average = {"k": list(ks)} | {kind: [float(np.mean([c[kind][i] for c in curves.values()])) for i in range(len(ks))]
-                                 for kind in ("mean", "pass") if all(kind in c for c in curves.values())}
+    average = {"k": list(next(iter(curves.values()))["k"])} | {
+        kind: np.mean([c[kind] for c in curves.values()], axis=0).tolist() for kind in ("mean", "pass")
+        if all(kind in c for c in curves.values())}
     return {**curves, AVERAGE: average}
 
 
@@ -149,11 +152,6 @@ def load_run(spec: RunSpec) -> RunRecord:
                       if e and e.get("completion_stats")})
 
 
-def tail_mean(values: np.ndarray, fraction: float = 0.1) -> float:
-    """Mean of the last `fraction` of a series (at least one point): its value at the end of training."""
-    return float(values[-max(1, int(round(fraction * values.size))):].mean()) if values.size else math.nan
-
-
 def run_rows(record: RunRecord) -> dict[str, float]:
     """Every number of one run, outcome -> value, each computed once: the `OUTCOMES` are entries of the rest on the
     held-out average (NaN where the run lacks the data); a run "collapsed" when its final Mean@K is below its own RL
@@ -162,23 +160,16 @@ def run_rows(record: RunRecord) -> dict[str, float]:
            for split, values in (getattr(record, section) or {}).items() for m, v in values.items()}
     out |= {f"gain/{split}/{m}": record.final[split][m] - values[m] for split, values in (record.before or {}).items()
             if split in record.final for m in record.metrics}
-    for key in (key for key in SERIES if key in record.series):
-        y = record.series[key][1]
-        out |= {f"dynamics/{key} (last 10%)": tail_mean(y), f"dynamics/{key} (mean)": float(y.mean())}
+    for key, (_, y) in ((key, record.series[key]) for key in SERIES if key in record.series):
+        tail = y[-max(1, int(round(0.1 * y.size))):]  # the series' value at the end of training
+        out |= {f"dynamics/{key} (last 10%)": float(tail.mean()), f"dynamics/{key} (mean)": float(y.mean())}
     out |= {f"completions/{when}/{split}/{k}": float(v) for when, splits in record.completions.items()
             for split, stats in splits.items() for k, v in stats.items()}
     out["seconds"] = record.seconds.get("total", math.nan)
     split = AVERAGE if AVERAGE in record.final else list(record.final)[-1]
-    (mean_k, pass_k), gain = record.metrics, out.get(f"gain/{split}/{record.metrics[0]}", math.nan)
-
-    def dynamics(key: str, how: str = "last 10%") -> float:
-        return out.get(f"dynamics/{key} ({how})", math.nan)
-
-    return out | {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()} | {
-        "mean@K": out[f"final/{split}/{mean_k}"], "pass@K": out[f"final/{split}/{pass_k}"], "gain": gain,
-        "entropy": dynamics(names.ENTROPY), "reward": dynamics(names.REWARD),
-        "length": dynamics(names.COMPLETION_LENGTH), "clip_frac": dynamics(names.CLIP_ANY, "mean"),
-        "offpolicy_frac": dynamics(OFFPOLICY, "mean"), "collapse": float(gain < 0) if math.isfinite(gain) else math.nan}
+    out |= {f"eval_{k}": v for k, v in record.completions.get("final", {}).get(split, {}).items()}
+    out |= {o.key: out.get(o.source.format(split=split, k=record.k), math.nan) for o in OUTCOMES if o.source}
+    return out | {"collapse": float(out["gain"] < 0) if math.isfinite(out["gain"]) else math.nan}
 
 
 def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
@@ -248,8 +239,7 @@ def splits_of(records: Sequence[RunRecord]) -> list[str]:
 
 # --------------------------------------------------------------------------------------- statistics of groups
 def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Difference]:
-    """Every outcome of every other group against the reference group, paired by seed, in group then outcome
-    order."""
+    """Every outcome of every other group against the reference group, paired by seed."""
     ref = next(g for g in groups if g.group == reference)
     return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
                               outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]

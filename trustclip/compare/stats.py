@@ -65,7 +65,7 @@ def _mean_se(d: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
     return d.mean(axis=axis), d.std(axis=axis, ddof=1) / math.sqrt(d.shape[axis])
 
 
-def bootstrap_t_interval(differences: Sequence[float], level: float = LEVEL) -> tuple[float, float]:
+def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
     """Studentised bootstrap interval of the mean of per-seed differences: t* = (mean* - mean) / se* per resample
     (`scipy.stats.bootstrap` draws them), interval [mean - q(1 - a/2) se, mean - q(a/2) se]. +-inf bounds when more
     than a/2 of the resamples have no spread (n <= 3); a point when the differences have none."""
@@ -86,21 +86,20 @@ def bootstrap_t_interval(differences: Sequence[float], level: float = LEVEL) -> 
         warnings.simplefilter("ignore", RuntimeWarning)  # scipy's own percentile interval of t* (unused) sees infs
         t = sps.bootstrap((d,), t_star, vectorized=True, n_resamples=RESAMPLES, method="percentile",
                           rng=np.random.default_rng(BOOTSTRAP_SEED)).bootstrap_distribution
-    a = 1 - level
+    a = 1 - LEVEL
     q_low, q_high = np.quantile(t, [a / 2, 1 - a / 2], method="inverted_cdf")  # no interpolation across infs
     return float(mean - q_high * se), float(mean - q_low * se)
 
 
-def seeds_needed(mean: float, sd: float, alpha: float = ALPHA, power: float = POWER,
-                 max_n: int = MAX_SEEDS) -> int | None:
-    """Smallest n at which a two-sided paired t-test at `alpha` has `power` for a true mean difference `mean` with
-    sd of differences `sd` (T ~ nct(n - 1, mean / sd * sqrt(n))); None when not estimable or above `max_n`."""
+def seeds_needed(mean: float, sd: float) -> int | None:
+    """Smallest n at which a two-sided paired t-test at ALPHA has POWER for a true mean difference `mean` with sd of
+    differences `sd` (T ~ nct(n - 1, mean / sd * sqrt(n))); None when not estimable or above MAX_SEEDS."""
     if not (math.isfinite(mean) and math.isfinite(sd)) or sd <= 0 or mean == 0:
         return None
-    n = np.arange(2, max_n + 1)
-    critical, noncentrality = sps.t.ppf(1 - alpha / 2, n - 1), abs(mean) / sd * np.sqrt(n)
+    n = np.arange(2, MAX_SEEDS + 1)
+    critical, noncentrality = sps.t.ppf(1 - ALPHA / 2, n - 1), abs(mean) / sd * np.sqrt(n)
     achieved = sps.nct.sf(critical, n - 1, noncentrality) + sps.nct.cdf(-critical, n - 1, noncentrality)
-    enough = np.flatnonzero(achieved >= power)
+    enough = np.flatnonzero(achieved >= POWER)
     return int(n[enough[0]]) if enough.size else None
 
 
@@ -131,7 +130,7 @@ class Difference:
 
     @property
     def seeds_needed(self) -> int | None:
-        return seeds_needed(self.mean, self.sd) if self.n >= 2 else None
+        return seeds_needed(self.mean, self.sd)
 
     @property
     def verdict(self) -> str:
