@@ -250,9 +250,14 @@ def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
     return _split_step_error(args, f"objective {objective!r} moves delta once per generation batch and")
 
 
+def generation_period(args: GRPOConfig) -> int:
+    """Training micro-batches per generation batch: TRL regenerates every steps_per_generation x num_iterations."""
+    return args.steps_per_generation * args.num_iterations
+
+
 def _split_step_error(args: GRPOConfig, who: str) -> str | None:
     """Why `who` cannot run when an optimizer step spans two generation batches (and it does), or None."""
-    if (args.steps_per_generation * args.num_iterations) % args.gradient_accumulation_steps == 0:
+    if generation_period(args) % args.gradient_accumulation_steps == 0:
         return None
     return (f"{who} needs each optimizer step inside one generation batch: steps_per_generation="
             f"{args.steps_per_generation} x num_iterations={args.num_iterations} must be a multiple of "
@@ -261,8 +266,7 @@ def _split_step_error(args: GRPOConfig, who: str) -> str | None:
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:
     """The start-up warning when every update is on-policy (w == 1 identically), else None."""
-    generate_every = args.steps_per_generation * args.num_iterations
-    if args.gradient_accumulation_steps % generate_every != 0:
+    if args.gradient_accumulation_steps % generation_period(args) != 0:
         return None
     return (
         f"num_iterations={args.num_iterations} and steps_per_generation={args.steps_per_generation} <= "

@@ -40,7 +40,7 @@ from trustclip.trainers.delta_control import DeltaControlCallback
 from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
 from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
 from trustclip.trainers.step_counts import StepCounts
-from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, on_policy_warning
+from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, generation_period, on_policy_warning
 from trustclip.trainers.trl_surface import check_trl_surface
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
@@ -79,7 +79,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self.delta_controller = controller_for(self._objective)  # atr_adaptive's state; None for other objectives
         self._delta_callback = None if self.delta_controller is None else DeltaControlCallback(
             self.delta_controller, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            generate_every=args.steps_per_generation * args.num_iterations)
+            generate_every=generation_period(args))
         if self._delta_callback is not None:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
