@@ -14,6 +14,7 @@ from trustclip.compare.report import difference_sentence
 from trustclip.compare.stats import (
     bootstrap_t_interval,
     iqm,
+    log_scale,
     paired_difference,
     probability_of_improvement,
     seeds_needed,
@@ -186,3 +187,12 @@ def test_probability_of_improvement_by_hand():
                                                     for j in range(2)]))
     assert 0 <= estimate.low <= estimate.value <= estimate.high <= 1
     assert probability_of_improvement(y, y).value == 0.5
+
+
+@pytest.mark.parametrize("values, log", [((0.02, 0.07, 0.2), True), ((0.05, 0.1, 0.2), False),
+                                         ((0.0, 0.1, 1.0), False), ((-1.0, 1.0, 10.0), False), ((1, 5, 100), True)])
+def test_a_sweep_is_read_on_log10_when_its_positive_values_span_tenfold(values, log):
+    # the trend's slope and the sweep figure's axis both follow this one rule
+    assert log_scale(values) is log
+    outcome = {v: {0: 0.1, 1: 0.2} for v in values}
+    assert sweep_trend(outcome, group="g", outcome="o")[1] is log

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trustclip.compare.results import SERIES, Group, metric_title, title_of
-from trustclip.compare.stats import Stat
+from trustclip.compare.stats import Stat, log_scale
 from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window, smooth
 
@@ -153,8 +153,8 @@ def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: 
 
 def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
     """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): the swept groups
-    with ± std error bars, the groups without the parameter as horizontal lines with a ± std band; a log x axis when
-    the values span 4x or more."""
+    with ± std error bars, the groups without the parameter as horizontal lines with a ± std band; a log x axis as
+    `stats.log_scale` says."""
     swept, references = [g for g in groups if g.sweep_key is not None], [g for g in groups if g.sweep_key is None]
     key, xs, labels = swept[0].sweep_key, [g.sweep_value for g in swept], list(dict.fromkeys(g.label for g in swept))
     with figure_context():
@@ -169,7 +169,7 @@ def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, 
                 ax.axhline(r.mean, color=colors[g.group], ls="--", lw=1.2, label=f"{g.group} (no {key})")
                 if np.isfinite(r.std) and r.std > 0:
                     ax.axhspan(r.mean - r.std, r.mean + r.std, color=colors[g.group], alpha=0.1, lw=0)
-            if all(isinstance(x, int | float) and x > 0 for x in xs) and max(xs) / min(xs) >= 4:
+            if all(isinstance(x, int | float) for x in xs) and log_scale(xs):
                 ax.set_xscale("log")
                 ax.set_xticks(sorted(set(xs)), [f"{v:g}" for v in sorted(set(xs))])
                 ax.minorticks_off()

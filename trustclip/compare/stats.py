@@ -163,6 +163,12 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
     return _difference(group, ref, outcome, seeds, [float(values[s]) - float(reference[s]) for s in seeds])
 
 
+def log_scale(values: Sequence[float]) -> bool:
+    """A sweep is read on log10 of its values (the trend's slope, the figure's axis) when they are all > 0 and span
+    10x or more."""
+    return min(values) > 0 and max(values) / min(values) >= 10
+
+
 def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group: str,
                 outcome: str) -> tuple[Difference, bool]:
     """One test for a whole sweep (pairs of values would make k(k-1)/2 intervals): per seed with every value, the
@@ -171,7 +177,7 @@ def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group:
     values = sorted(float(v) for v in outcome_by_value)
     if len(values) < 3:
         raise ValueError(f"a sweep trend needs at least 3 swept values, got {len(values)}")
-    log = values[0] > 0 and values[-1] / values[0] >= 10
+    log = log_scale(values)
     x = np.log10(values) if log else np.asarray(values)
     seeds = sorted(set.intersection(*({s for s, y in outcome_by_value[v].items() if y is not None and math.isfinite(y)}
                                       for v in values)))
