@@ -20,7 +20,6 @@ trainer's resume) or, with --restart-partial, restarted. Ctrl-C stops the runnin
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,15 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
-    """The settings of parsed arguments; without --objectives, the experiment saved in --output-dir is reused."""
-    from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings
+    """The settings of parsed arguments (checked as CompareSettings checks them); without --objectives, the experiment
+    saved in --output-dir is reused, with its last reference unless --reference is given."""
+    from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved
     from trustclip.compare.plan import parse_objectives, parse_seeds
-    from trustclip.files import read_json
 
-    out = Path(args.output_dir)
-    saved = read_json(out / SETTINGS_FILE)
+    out, reference = Path(args.output_dir), args.reference
     if args.objectives is None:
-        if not isinstance(saved, dict):
+        if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
         given = [flag for flag, value in (("--seeds", args.seeds), ("--seed-list", args.seed_list),
                                           ("--config", args.config), ("--set", args.overrides),
@@ -109,22 +107,13 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
             raise ValueError(f"{', '.join(given)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
         experiment = {k: saved[k] for k in EXPERIMENT_KEYS if k in saved}
+        reference = saved.get("reference") if reference is None else reference
     else:
         experiment = {"objectives": parse_objectives(args.objectives),
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
                       "config": args.config, "overrides": list(args.overrides), "sweep": args.sweep,
                       "hparams": list(args.hparam), "share_sft": not args.no_share_sft, "eval_every": args.eval_every,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
-    for name in ("jobs", "threads_per_job", "smooth"):
-        if (value := getattr(args, name)) is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for flag, value in (("--run-timeout", args.run_timeout), ("--progress-every", args.progress_every)):
-        if value is not None and not 0 < value < math.inf:
-            raise ValueError(f"{flag} {value!r} is invalid: give a number of seconds > 0"
-                             + (" (or leave it out for no limit)" if flag == "--run-timeout" else ""))
-    reference = args.reference
-    if reference is None and args.objectives is None:
-        reference = saved.get("reference")  # the reused experiment's last reference
     return CompareSettings(output_dir=out, **experiment, jobs=args.jobs, threads_per_job=args.threads_per_job,
                            resume_partial=not args.restart_partial, redo_changed=args.redo_changed,
                            run_timeout=args.run_timeout, dry_run=args.dry_run, report_only=args.report_only,

@@ -14,9 +14,10 @@ setting: it changes no run, and `--report-only --reference X` rebuilds the repor
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +30,42 @@ from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"
-EXPERIMENT_KEYS = ("objectives", "seeds", "config", "overrides", "sweep", "hparams", "share_sft", "eval_every",
-                   "runs_dir")
 DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 __all__ = ["CompareSettings", "RunSpec", "build_report", "is_finished", "plan_runs", "run_compare"]
 
 
+def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
+    """The settings an earlier compare saved in `output_dir` (None when there are none)."""
+    saved = read_json(Path(output_dir) / SETTINGS_FILE)
+    return saved if isinstance(saved, dict) else None
+
+
+def _experiment(default: Any) -> Any:
+    """A field that defines the runs: part of `CompareSettings.experiment()`, saved in compare.json."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"experiment": True})
+    return field(default=default, metadata={"experiment": True})
+
+
 @dataclass
 class CompareSettings:
-    """Everything `trustclip compare` needs (`trustclip.commands.compare` builds it from the command line)."""
+    """Everything `trustclip compare` needs (`trustclip.commands.compare` builds it from the command line); the numbers
+    are checked on creation, before anything is planned or written."""
 
     output_dir: Path
-    objectives: list[str] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
-    config: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    sweep: str | None = None
-    hparams: list[str] = field(default_factory=list)
+    # the experiment: what defines the runs
+    objectives: list[str] = _experiment([])
+    seeds: list[int] = _experiment(list(range(DEFAULT_SEEDS)))
+    config: str | None = _experiment(None)
+    overrides: list[str] = _experiment([])
+    sweep: str | None = _experiment(None)
+    hparams: list[str] = _experiment([])
+    share_sft: bool = _experiment(True)
+    eval_every: int | None = _experiment(None)  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
+    runs_dir: str | None = _experiment(None)  # where the runs live (a pool several compares share); None: output_dir
+    # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
     resume_partial: bool = True
@@ -57,11 +75,18 @@ class CompareSettings:
     report_only: bool = False
     progress_every: float = 30.0
     pipeline: str | None = None
+    # the report
     smooth: int | None = None
-    share_sft: bool = True
-    eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if that is 0
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first
-    runs_dir: str | None = None  # where the runs live (a pool several compares share); None: the output directory
+
+    def __post_init__(self) -> None:
+        for name, least in (("jobs", 1), ("threads_per_job", 1), ("smooth", 1), ("eval_every", 0)):
+            if (value := getattr(self, name)) is not None and value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+        for name in ("run_timeout", "progress_every"):
+            if (value := getattr(self, name)) is not None and not 0 < value < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give a number of seconds > 0"
+                                 + (" (or leave it out for no limit)" if name == "run_timeout" else ""))
 
     def experiment(self) -> dict[str, Any]:
         """The part that defines the runs (saved to compare.json)."""
@@ -72,8 +97,6 @@ class CompareSettings:
         if given, else the recipe's (or `--set rl.eval_every`), else max_steps // 5 when that is 0."""
         base = planning.base_config(self.config, self.overrides)
         if self.eval_every is not None:
-            if self.eval_every < 0:
-                raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
             base["rl"]["eval_every"] = self.eval_every
         elif base["rl"]["eval_every"] == 0 and "rl.eval_every" not in {parse_override(o)[0] for o in self.overrides}:
             base["rl"]["eval_every"] = max(1, base["rl"]["max_steps"] // EVAL_POINTS)
@@ -83,8 +106,8 @@ class CompareSettings:
         """The runs; a report-only rebuild of the saved experiment plans from its saved base config (the recipe file
         may have changed since; the runs have not)."""
         labels = planning.parse_objectives(self.objectives)
-        saved = read_json(self.output_dir / SETTINGS_FILE)
-        same = self.report_only and isinstance(saved, dict) and saved.get("experiment") == self.experiment()
+        saved = read_saved(self.output_dir)
+        same = self.report_only and saved is not None and saved.get("experiment") == self.experiment()
         return plan_runs(labels, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
                          hparams=planning.parse_hparams(self.hparams, labels),
                          base=(same and saved.get("base_config")) or self.base_config(), share_sft=self.share_sft)
@@ -99,6 +122,9 @@ class CompareSettings:
         """The reference group among the planned runs (raises ValueError naming the groups)."""
         groups = [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"]
         return planning.resolve_reference(self.reference, groups)
+
+
+EXPERIMENT_KEYS = tuple(f.name for f in fields(CompareSettings) if f.metadata.get("experiment"))  # compare.json
 
 
 def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str] | None = None,
@@ -139,16 +165,16 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
             status = "finished" if is_finished(spec) else ("partial" if spec.run_dir.exists() else "pending")
             say(f"  {spec.run_id:<40} {status:<9} {spec.objective} {spec.hparams}  -> {spec.run_dir}")
         return 0
-    saved = read_json(settings.output_dir / SETTINGS_FILE)
     if settings.report_only:
         failed: dict[str, str] = {}
-        if isinstance(saved, dict) and saved.get("reference") != settings.reference:
+        if (saved := read_saved(settings.output_dir)) is not None and saved.get("reference") != settings.reference:
             write_json_atomic(settings.output_dir / SETTINGS_FILE, {**saved, "reference": settings.reference})
     else:
         if not settings.redo_changed:
             check_changed(runs)  # refuse before touching compare.json
+        experiment = settings.experiment()
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
-            "experiment": settings.experiment(), **settings.experiment(), "base_config": settings.base_config(),
+            "experiment": experiment, **experiment, "base_config": settings.base_config(),
             "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -142,8 +141,7 @@ def parse_objectives(text: str | Sequence[str]) -> list[str]:
     Rejects unknown names and hyper-parameters, an item given twice and one objective listed twice without brackets
     (aliases included); the values are validated with the rest of the run's settings by `plan_runs`."""
     if isinstance(text, str):
-        depth = list(itertools.accumulate({"[": 1, "]": -1}.get(ch, 0) for ch in text))
-        if any(d not in (0, 1) for d in depth) or depth[-1:] == [1]:
+        if not re.fullmatch(r"[^\[\]]*(\[[^\[\]]*\][^\[\]]*)*", text):  # brackets in pairs, none in another
             raise ValueError(f"--objectives {text!r}: unbalanced or nested brackets")
         text = re.split(r",(?![^\[]*\])", text)
     seen: dict[str, str] = {}  # an objective (or a variant as written) -> its item
