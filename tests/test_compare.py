@@ -263,6 +263,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     write_json_atomic(tmp_path / "saved" / "compare.json", {"objectives": ["clip"], "seeds": [0]})
     assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--seeds", "2", "--dry-run"]) == 2
     assert "--seeds change(s) the experiment: give --objectives too" in capsys.readouterr().err
+    for flag in ("--eval-every", "--seeds"):  # a flag given as 0 is given: refused, not silently dropped
+        assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), flag, "0", "--dry-run"]) == 2
+        assert f"{flag} change(s) the experiment" in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--dry-run"]) == 0
     assert "clip/seed0" in capsys.readouterr().out
 

@@ -102,7 +102,8 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
                                           ("--config", args.config), ("--set", args.overrides),
                                           ("--sweep", args.sweep), ("--hparam", args.hparam),
                                           ("--no-share-sft", args.no_share_sft), ("--eval-every", args.eval_every),
-                                          ("--runs-dir", args.runs_dir)) if value]
+                                          ("--runs-dir", args.runs_dir))
+                 if value is not None and value is not False and value != []]  # given, even as 0
         if given:
             raise ValueError(f"{', '.join(given)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
