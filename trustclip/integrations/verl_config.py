@@ -1,20 +1,14 @@
-"""`TrustclipPolicyLossConfig`: verl's `PolicyLossConfig` plus the hyper-parameters of a trustclip loss.
-
-Select it with Hydra's `_target_` (verl instantiates the actor config, and this class with it, in every
-actor worker):
+"""`TrustclipPolicyLossConfig`: verl's `PolicyLossConfig` plus the hyper-parameters of a trustclip loss, selected with
+Hydra's `_target_` (verl instantiates it in every actor worker; docs/verl.md):
 
     actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3
     +actor_rollout_ref.actor.policy_loss.objective_kwargs={delta:0.07}
 
-`objective_kwargs` holds the objective's hyper-parameters under trustclip's names (`delta`, `epsilon_low`,
-`epsilon_high`, `clip_ratio_c`, `tau_pos`, ...); anything left out takes trustclip's default for that
-objective (`trustclip.list_objectives()`), so the defaults are trustclip's by construction. verl's own
-knobs (`actor.clip_ratio*`, `clip_ratio_c`, `tau_*`, `policy_loss.clip_cov_*`, `kl_cov_ratio`,
-`ppo_kl_coef`) keep serving verl's losses and are not read by `trustclip_*` losses. The values are
-validated when the config is built, with trustclip's messages. Importing this module (Hydra does, to
-instantiate the class) registers the trustclip losses in the process, so a broken install fails here,
-loudly, rather than later as "Unsupported loss mode".
+verl's own knobs (`actor.clip_ratio*`, `clip_ratio_c`, `tau_*`, `policy_loss.clip_cov_*`, `kl_cov_ratio`,
+`ppo_kl_coef`) keep serving verl's losses and are not read by `trustclip_*` losses. Importing this module (Hydra does,
+to instantiate the class) registers the trustclip losses, so a broken install fails here, loudly, rather than later
+as "Unsupported loss mode".
 """
 
 from __future__ import annotations
@@ -35,9 +29,11 @@ class TrustclipPolicyLossConfig(PolicyLossConfig):
     """verl `PolicyLossConfig` with `objective_kwargs`, the hyper-parameters of a `trustclip_*` loss mode.
 
     Args:
-        objective_kwargs (dict): trustclip hyper-parameters of the objective behind `loss_mode`, e.g.
-            `{"delta": 0.07}` for `trustclip_kl3`; omitted ones take trustclip's defaults. A JSON object
-            string is accepted too. Only `trustclip_*` loss modes read it, so it must be empty otherwise.
+        objective_kwargs (dict): trustclip hyper-parameters of the objective behind `loss_mode` under trustclip's
+            names, e.g. `{"delta": 0.07}` for `trustclip_kl3`; omitted ones take trustclip's defaults
+            (`trustclip.list_objectives()`), and values are checked with trustclip's messages when the config is
+            built. A JSON object string is accepted too. Only `trustclip_*` loss modes read it, so it must be empty
+            otherwise.
     """
 
     objective_kwargs: dict[str, Any] = field(default_factory=dict)

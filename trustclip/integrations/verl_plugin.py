@@ -1,21 +1,15 @@
-"""trustclip objectives as verl policy losses (tested with verl 0.9.1).
+"""trustclip objectives as verl policy losses (tested with verl 0.9.1; usage in docs/verl.md).
 
-Importing this module registers every trustclip objective (and alias) in verl's policy-loss registry
-under `trustclip_<name>`, e.g. `trustclip_kl3` / `trustclip_atr` (ATR-GRPO), `trustclip_clip_higher`.
-verl imports it in every process at `import verl` through the `verl.plugins` entry point that the
-installed trustclip package declares; the fallback is `VERL_USE_EXTERNAL_MODULES=trustclip.integrations.verl_plugin`.
-Select a loss with `actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3`, and its
-hyper-parameters with `policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig`
-plus `+actor_rollout_ref.actor.policy_loss.objective_kwargs={delta:0.07}` (see docs/verl.md).
+Importing this module registers every trustclip objective (and alias) in verl's policy-loss registry as
+`trustclip_<name>` (e.g. `trustclip_kl3`). verl imports it in every process at `import verl` through the
+`verl.plugins` entry point of the installed package (fallback: `VERL_USE_EXTERNAL_MODULES=<this module>`). Each loss
+follows verl's contract: the signature of `compute_policy_loss_vanilla`, the per-token loss times
+`rollout_is_weights`, verl's own `agg_loss(..., **config.global_batch_info)`, metrics as plain floats
+(`verl_metrics`).
 
-Each loss follows verl's contract: the signature of `compute_policy_loss_vanilla`, the per-token loss
-multiplied by `rollout_is_weights`, aggregated by verl's own `agg_loss(..., **config.global_batch_info)`,
-and metrics as plain floats: `actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower` with verl's
-meaning, plus every trustclip metric as `actor/objective/<key>` (the TRL trainer logs `objective/<key>`).
-
-verl swallows plugin import errors at DEBUG level (a broken plugin then shows up only as "Unsupported loss
-mode"), so any failure here is logged at ERROR level before it is re-raised.
-`python -m trustclip.integrations.verl_plugin` prints the name mapping and whether `import verl` found it.
+verl swallows plugin import errors at DEBUG level (a broken plugin shows up only as "Unsupported loss mode"), so any
+failure here is logged at ERROR level before it is re-raised. `python -m trustclip.integrations.verl_plugin` prints
+the name mapping and whether `import verl` found the plugin.
 """
 
 from __future__ import annotations
@@ -35,11 +29,9 @@ try:  # verl logs plugin import errors only at DEBUG: make them visible first
     import torch
 
     from trustclip.metric_names import VERL_NAMES, objective_name
-    from trustclip.objectives import REGISTRY, Objective, get_objective
+    from trustclip.objectives import REGISTRY, Objective, PolicyBatch, TokenLoss, compute_token_loss, get_objective
     from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
-    from trustclip.objectives.batch import PolicyBatch
-    from trustclip.objectives.loss import compute_token_loss
-    from trustclip.objectives.registry import ALIASES, TokenLoss
+    from trustclip.objectives.registry import ALIASES
     from trustclip.objectives.statistics import reduce_statistics, token_statistics
 except Exception as _err:
     _log.error(_FAILED, "importing its dependencies", type(_err).__name__, _err, exc_info=True)
@@ -58,13 +50,7 @@ VERL_KNOBS = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, 
 VERL_POLICY_LOSS_KNOBS = {"clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0,
                           "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}
 SEQUENCE_LEVEL = ("gspo", "atr_seq", "sapo")  # their papers (and verl's sapo) aggregate seq-mean-token-mean
-NO_CONTROLLER = (
-    "adapts delta between updates with a controller that needs the statistics of whole updates, one value shared "
-    "by every worker, and a place in the checkpoints; verl calls a policy loss per micro-batch on each worker, "
-    "with no step boundary and no checkpoint hook"
-)
 
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 _warned: set[str] = set()
 
 
@@ -119,12 +105,8 @@ def normalize_kwargs(value: Any) -> dict[str, Any]:
 
 
 def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
-    """The trustclip objective of a verl loss mode with `objective_kwargs` over trustclip's defaults.
-
-    Raises ValueError (naming the verl config key) on an unknown or invalid hyper-parameter, when the
-    objective needs per-token inputs that verl's policy-loss interface does not pass, and for an objective
-    whose delta a controller moves between updates (`atr_adaptive`), which that interface cannot host.
-    """
+    """The trustclip objective of a verl loss mode with `objective_kwargs` over trustclip's defaults; ValueError when
+    verl's policy-loss interface cannot feed it."""
     name = objective_for_loss_mode(loss_mode)
     try:
         objective = get_objective(name, **normalize_kwargs(objective_kwargs))
@@ -137,22 +119,24 @@ def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
             "IS weights). Use it through trustclip's TRL trainer, or pick another objective."
         )
     if objective.name in ADAPTIVE_OBJECTIVES:
-        raise ValueError(f"{loss_mode} {NO_CONTROLLER}. Use it through trustclip's TRL trainer, or trustclip_kl3 "
-                         "with a fixed delta.")
+        raise ValueError(f"{loss_mode} adapts delta between updates with a controller that needs the statistics of "
+                         "whole updates, one value shared by every worker, and a place in the checkpoints; verl calls "
+                         "a policy loss per micro-batch on each worker, with no step boundary and no checkpoint hook. "
+                         "Use it through trustclip's TRL trainer, or trustclip_kl3 with a fixed delta.")
     return objective
 
 
 def objective_from_config(loss_mode: str, config: Any) -> Objective:
     """Objective of `loss_mode` with the hyper-parameters of `config.policy_loss.objective_kwargs`."""
-    policy_loss = _get(config, "policy_loss")
-    if _get(policy_loss, "objective_kwargs", None) is None and config is not None:
+    kwargs = _get(_get(config, "policy_loss"), "objective_kwargs")
+    if kwargs is None and config is not None:
         _warn_once(
             f"{loss_mode}: actor.policy_loss is not a TrustclipPolicyLossConfig, so trustclip's default "
             f"hyper-parameters are used. Set actor_rollout_ref.actor.policy_loss._target_="
             "trustclip.integrations.verl_config.TrustclipPolicyLossConfig and "
             "+actor_rollout_ref.actor.policy_loss.objective_kwargs={...} to choose them."
         )
-    return build_objective(loss_mode, _get(policy_loss, "objective_kwargs", None))
+    return build_objective(loss_mode, kwargs)
 
 
 def _warn_once(message: str) -> None:
@@ -225,7 +209,7 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
     return loss, verl_metrics(out, batch)
 
 
-def make_policy_loss(loss_mode: str) -> PolicyLossFn:
+def make_policy_loss(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
     """A function with verl's policy-loss signature computing `loss_mode` (a `trustclip_*` name)."""
     objective = objective_for_loss_mode(loss_mode)
     policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword

@@ -3,21 +3,13 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-_LAZY = {
-    "TrustClipGRPOTrainer": "trustclip.trainers.trl_trainer",
-    "TrustClipGRPOConfig": "trustclip.trainers.trl_config",
-    "on_policy_warning": "trustclip.trainers.trl_config",
-}
+_LAZY = {"TrustClipGRPOTrainer": "trl_trainer", "TrustClipGRPOConfig": "trl_config", "on_policy_warning": "trl_config"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'trustclip.trainers' has no attribute {name!r}")
-
-
-__all__ = ["TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"]
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trustclip.trainers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trustclip.trainers.{_LAZY[name]}"), name)

@@ -1,15 +1,11 @@
 """atr_adaptive's delta controller as a transformers `TrainerCallback`: fed by the loss, moved once per generation
 batch, kept with every checkpoint.
 
-The trainer's loss hands `record` the global statistic of each training micro-batch (`kl3_mean` or `clip_frac`, over
-all processes, with its token count). The controller moves delta once per generation batch, from the token-weighted
-mean over the batch's off-policy micro-batches (those after its first optimizer step; on the first the ratio is 1 and
-says nothing about the update). The new delta applies from the next generation batch, so every update of one batch
-uses one delta, as PPO keeps beta fixed within an iteration. Every process sees the same global values, so every
-process moves delta alike.
-
-The state is written to `delta_controller.json` in the checkpoint folder when the Trainer has decided to save, before
-it saves: a checkpoint with `trainer_state.json` (the mark of a complete one) has it. `load` restores it on resume.
+Delta moves from the token-weighted mean of the target statistic over the batch's off-policy micro-batches (those
+after its first optimizer step; on the first the ratio is 1 and says nothing about the update), and applies from the
+next generation batch, so every update of one batch uses one delta, as PPO keeps beta fixed within an iteration. The
+statistics are global, so every process moves delta alike. The state is written before the Trainer saves, so a
+complete checkpoint (one with `trainer_state.json`) has it.
 """
 
 from __future__ import annotations
@@ -60,9 +56,7 @@ class DeltaControlCallback(TrainerCallback):
         if control.should_save:  # the Trainer saves right after this event
             self._write(args, state)
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if control.should_save:
-            self._write(args, state)
+    on_epoch_end = on_step_end
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # a save decided after on_step_end (save_strategy="best") gets its file here, after trainer_state.json

@@ -5,7 +5,6 @@ its final hidden states plus its LM head (exact KL), or its top-k log-probs and 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Any
 
@@ -33,14 +32,14 @@ def row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
     return [{key: inputs[key][start:start + size] for key in keys} for start in range(0, total, size)]
 
 
-def causal_lm(model: Any, unwrap: Any = lambda m: m) -> Any:
+def causal_lm(model: Any, unwrap: Any) -> Any:
     """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
     inner = unwrap(model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
 def completion_hidden_states(model: Any, lm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                             completion_length: int, autocast: Any = contextlib.nullcontext) -> torch.Tensor:
+                             completion_length: int, autocast: Any) -> torch.Tensor:
     """(B, T, H) final hidden states that predict the last `completion_length` tokens of `input_ids`.
 
     `model` is called as a whole (DDP / PEFT wrappers see their forward) with `logits_to_keep=1`, so no (B, L, V)
@@ -76,8 +75,7 @@ class FullVocabForward:
     head per mode ("train" / "eval") when pi_old is stored as hidden states. `unwrap` and `autocast` are the
     accelerator's."""
 
-    def __init__(self, storage: str, topk: int, temperature: float, unwrap: Any = lambda m: m,
-                 autocast: Any = contextlib.nullcontext) -> None:
+    def __init__(self, storage: str, topk: int, temperature: float, unwrap: Any, autocast: Any) -> None:
         self.keys = TOPK_KEYS if storage == "topk" else HIDDEN_KEYS
         self.topk, self.temperature, self.unwrap, self.autocast = topk, temperature, unwrap, autocast
         self.old_heads: dict[str, torch.nn.Module] = {}

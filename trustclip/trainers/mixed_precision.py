@@ -1,9 +1,5 @@
-"""The trainer's two mixed-precision pieces (`trustclip.precision`), apart from the TRL subclass.
-
-- `float32_lm_head`: under autocast, the log-probs (and so the ratio the constraint acts on) in float32.
-- `low_precision_sampler`: the merged low-precision copy of the policy that TRL's generation samples from
-  (`TrustClipGRPOConfig.generation_dtype`).
-"""
+"""The trainer's mixed-precision pieces: float32 log-probs under autocast, and the low-precision copy of the policy
+that TRL's generation samples from (`generation_dtype`, `trustclip.precision`)."""
 
 from __future__ import annotations
 

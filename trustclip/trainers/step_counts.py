@@ -1,11 +1,10 @@
 """Exact global normalisers of an optimizer step, for a trainer that splits generation batches into micro-batches.
 
 The contract with `transformers.Trainer` (`loss_is_scaled_for_ga = True`): each micro-batch returns its share of the
-one-big-batch loss of the optimizer step, so that summing over gradient-accumulation steps and averaging over
-processes (DDP) gives exactly the gradient of the whole step's batch. Sequence aggregations divide by the step's
-number of sequences, `token_mean` by its number of valid tokens, both counted over all processes from the buffered
-generation batch when the accumulation window lies inside one generation batch (always true with TRL's default
-steps_per_generation); otherwise TRL's estimate is used. The counts matter with `skip_zero_advantage`, which leaves
+optimizer step's one-big-batch loss, so that summing over accumulation steps and averaging over processes (DDP) gives
+exactly the whole step's gradient. The step's valid tokens (`token_mean`) or sequences are counted over all processes
+from the buffered generation batch when the accumulation window lies inside it (always with TRL's default
+steps_per_generation), else TRL's estimate is used; exact counts matter with `skip_zero_advantage`, which leaves
 processes with micro-batches of different sizes.
 """
 
@@ -25,8 +24,7 @@ class StepCounts:
     def __init__(self, *, steps_per_generation: int, gradient_accumulation_steps: int, num_iterations: int) -> None:
         self.steps_per_generation, self.accumulation = steps_per_generation, gradient_accumulation_steps
         self.generate_every = steps_per_generation * num_iterations
-        # exact per-step counts need each accumulation window inside one generation batch
-        self.exact = (steps_per_generation * num_iterations) % gradient_accumulation_steps == 0
+        self.exact = self.generate_every % gradient_accumulation_steps == 0  # each window inside a generation batch
         self.slices: list[tuple[float, float]] | None = None
 
     def count(self, slices: list[dict[str, Any]], sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from trl import GRPOConfig
@@ -13,11 +13,8 @@ from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objecti
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.registry import is_finite_number
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
-from trustclip.options import option
-from trustclip.trainers.trl_options import LOSS_OPTIONS as TRL_LOSS_OPTIONS
-from trustclip.trainers.trl_options import OPTIONS as TRL_OPTIONS
-from trustclip.trainers.trl_options import SCALE_REWARDS_OF, spelled
-from trustclip.trainers.trl_options import translate as translate_trl_options
+from trustclip.options import check, option
+from trustclip.trainers import trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
                   "computes, or refused (trustclip.trainers.trl_options).")
@@ -28,12 +25,9 @@ GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
-    r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options
-    (`loss_type`, `epsilon`, `epsilon_high`, `delta`, `sapo_temperature_*`, `vespo_*`, `scale_rewards`) are honoured
-    where they are exactly a trustclip setting (`loss_type="dapo", epsilon_high=0.28` is `clip_higher` with
-    `token_mean`; see `trustclip.trainers.trl_options`) and refused otherwise, also when they contradict an
-    `objective`, `aggregation` or `advantage_estimator` given here. Never ignored. Each field's documentation is its
-    `help` (as TRL's configs, for `HfArgumentParser` and `trustclip train --help`).
+    r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options are honoured
+    where they are exactly a trustclip setting and refused otherwise (`trustclip.trainers.trl_options`), never
+    ignored. Each field's documentation is its `help` (as TRL's configs, for `trustclip train --help`).
     """
 
     objective: str | None = option(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
@@ -111,15 +105,13 @@ class TrustClipGRPOConfig(GRPOConfig):
         """A TrustClipGRPOConfig with the settings of a built `GRPOConfig` and trustclip's own fields at their
         defaults. A TRL loss option left at TRL's default stands for nothing (the objective replaces TRL's loss); one
         changed from it is mapped or refused, as in TrustClipGRPOConfig."""
-        import dataclasses
-
         new = cls.__new__(cls)
         new.__dict__.update(vars(args))  # GRPOConfig.__post_init__ has run: its derived values are kept
-        trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-        for f in dataclasses.fields(cls):
+        trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
+        for f in fields(cls):
             if f.name not in trl_defaults:
                 setattr(new, f.name, f.default)
-            elif f.name in TRL_OPTIONS and getattr(args, f.name) == trl_defaults[f.name]:
+            elif f.name in trl_options.OPTIONS and getattr(args, f.name) == trl_defaults[f.name]:
                 setattr(new, f.name, None)
         new.objective = objective
         new._resolve_trustclip_options()
@@ -162,14 +154,14 @@ class TrustClipGRPOConfig(GRPOConfig):
                 "in trustclip; use objective='gspo' with importance_sampling_level='token'"
             )
         check_honoured_trl_options(self)
-        self.scale_rewards = SCALE_REWARDS_OF[self.advantage_estimator]
+        self.scale_rewards = trl_options.SCALE_REWARDS_OF[self.advantage_estimator]
 
     def _apply_trl_loss_options(self) -> None:
         """objective / objective_kwargs / aggregation / advantage_estimator from TRL's loss options where those are
         given (`translate`); a contradiction with a trustclip field given here is an error naming both."""
-        given = {name: getattr(self, name) for name in TRL_OPTIONS if getattr(self, name) is not None}
-        trl = translate_trl_options(given)
-        loss = spelled({k: v for k, v in given.items() if k in TRL_LOSS_OPTIONS})
+        given = {name: getattr(self, name) for name in trl_options.OPTIONS if getattr(self, name) is not None}
+        trl = trl_options.translate(given)
+        loss = trl_options.spelled({k: v for k, v in given.items() if k in trl_options.LOSS_OPTIONS})
         if trl.objective is not None and self.objective is not None and (
                 get_objective(self.objective).name != get_objective(trl.objective).name):
             raise ValueError(f"{loss}: TRL's loss options, which are objective {trl.objective!r} "
@@ -194,11 +186,10 @@ class TrustClipGRPOConfig(GRPOConfig):
 
     def _check_batches(self) -> None:
         # skip_zero_advantage: processes then hold different numbers of rows, and only whole windows have exact counts
-        message = _split_step_error(self, "skip_zero_advantage") if self.skip_zero_advantage else None
-        if not message and not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            message = delta_control_error(self, get_objective(self.objective, **self.objective_kwargs).name)
-        if message:
-            raise ValueError(message)
+        if self.skip_zero_advantage:
+            _check_split_step(self, "skip_zero_advantage")
+        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
+            check_delta_control(self, get_objective(self.objective, **self.objective_kwargs).name)
 
 
 def check_honoured_trl_options(args: GRPOConfig) -> None:
@@ -207,21 +198,16 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
     training starts)."""
     import importlib.util
 
-    quantile = args.top_entropy_quantile
-    if not (is_finite_number(quantile) and 0.0 <= quantile <= 1.0):
-        raise ValueError(f"top_entropy_quantile={quantile!r} is invalid: must be in [0, 1] (the fraction of tokens "
-                         "kept by entropy; 1 keeps all)")
-    threshold = args.off_policy_mask_threshold
-    if threshold is not None and not (is_finite_number(threshold) and threshold >= 0.0):
-        raise ValueError(f"off_policy_mask_threshold={threshold!r} is invalid: must be a finite number >= 0 (or None)")
+    quantile, threshold = args.top_entropy_quantile, args.off_policy_mask_threshold
+    check(is_finite_number(quantile) and 0.0 <= quantile <= 1.0, "top_entropy_quantile", quantile,
+          "in [0, 1] (the fraction of tokens kept by entropy; 1 keeps all)")
+    check(threshold is None or (is_finite_number(threshold) and threshold >= 0.0), "off_policy_mask_threshold",
+          threshold, "a finite number >= 0 (or None)")
     for name in ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
                  "entropy_target"):
-        value = getattr(args, name)
-        if not is_finite_number(value):
-            raise ValueError(f"{name}={value!r} is invalid: must be a finite number")
+        check(is_finite_number(getattr(args, name)), name, getattr(args, name), "a finite number")
     for name in ("beta", "entropy_coef_delta"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"{name}={getattr(args, name)!r} is invalid: must be >= 0")
+        check(getattr(args, name) >= 0, name, getattr(args, name), ">= 0")
     if args.entropy_coef_min > args.entropy_coef_max:
         raise ValueError(f"entropy_coef_min={args.entropy_coef_min!r} is above entropy_coef_max="
                          f"{args.entropy_coef_max!r}")
@@ -243,11 +229,10 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
         pass  # optimizers that need the model are checked by transformers when training starts
 
 
-def delta_control_error(args: GRPOConfig, objective: str) -> str | None:
-    """Why an adaptive objective cannot run with these batch settings, or None."""
-    if objective not in ADAPTIVE_OBJECTIVES:
-        return None
-    return _split_step_error(args, f"objective {objective!r} moves delta once per generation batch and")
+def check_delta_control(args: GRPOConfig, objective: str) -> None:
+    """ValueError when an adaptive objective cannot run with these batch settings."""
+    if objective in ADAPTIVE_OBJECTIVES:
+        _check_split_step(args, f"objective {objective!r} moves delta once per generation batch and")
 
 
 def generation_period(args: GRPOConfig) -> int:
@@ -255,13 +240,12 @@ def generation_period(args: GRPOConfig) -> int:
     return args.steps_per_generation * args.num_iterations
 
 
-def _split_step_error(args: GRPOConfig, who: str) -> str | None:
-    """Why `who` cannot run when an optimizer step spans two generation batches (and it does), or None."""
-    if generation_period(args) % args.gradient_accumulation_steps == 0:
-        return None
-    return (f"{who} needs each optimizer step inside one generation batch: steps_per_generation="
-            f"{args.steps_per_generation} x num_iterations={args.num_iterations} must be a multiple of "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
+def _check_split_step(args: GRPOConfig, who: str) -> None:
+    """ValueError naming `who` when an optimizer step spans two generation batches."""
+    if generation_period(args) % args.gradient_accumulation_steps != 0:
+        raise ValueError(f"{who} needs each optimizer step inside one generation batch: steps_per_generation="
+                         f"{args.steps_per_generation} x num_iterations={args.num_iterations} must be a multiple of "
+                         f"gradient_accumulation_steps={args.gradient_accumulation_steps}")
 
 
 def on_policy_warning(args: GRPOConfig, objective: str) -> str | None:

@@ -1,10 +1,6 @@
 """TRL's own loss options (`GRPOConfig.loss_type`, `epsilon`, `epsilon_high`, `delta`, the SAPO / VESPO parameters
-and `scale_rewards`) under a trustclip objective: each is either the exact spelling of a trustclip setting, or it
-is refused. Never silently ignored: the trustclip objective, aggregation and advantage estimator replace TRL's loss.
-
-`translate(options)` gives the trustclip settings that TRL's loss computes with the options given (TRL's defaults
-for the others), or raises ValueError naming the option and the trustclip setting to use instead. Exact
-correspondences (TRL 1.16's `_compute_loss`, `trl/trainer/grpo_trainer.py`):
+and `scale_rewards`) under a trustclip objective: `translate` maps each onto the trustclip setting it spells, or
+refuses it; never silently ignored. Exact correspondences (TRL 1.16's `_compute_loss`, `trl/trainer/grpo_trainer.py`):
 
 - loss_type grpo / dr_grpo / dapo: the PPO clip -min(w A, clip(w, 1 - epsilon, 1 + epsilon_high) A) = objective
   `clip` (epsilon_high unset or equal to epsilon) or `clip_higher`, aggregated as `seq_mean_token_mean` / `dr_grpo`
@@ -31,8 +27,7 @@ from trustclip.objectives.registry import is_finite_number
 # GRPOConfig fields that only TRL's own loss reads: the trustclip objective replaces all of them.
 LOSS_OPTIONS = ("loss_type", "epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-ADVANTAGE_OPTIONS = ("scale_rewards",)
-OPTIONS = LOSS_OPTIONS + ADVANTAGE_OPTIONS
+OPTIONS = (*LOSS_OPTIONS, "scale_rewards")
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # TRL loss type -> trustclip aggregation of the same normaliser
 AGGREGATION_OF = {"grpo": "seq_mean_token_mean", "dr_grpo": "dr_grpo", "dapo": "token_mean", "cispo": "token_mean",

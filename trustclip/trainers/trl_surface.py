@@ -1,10 +1,8 @@
-"""Every name of TRL's GRPOTrainer (1.16) that `TrustClipGRPOTrainer` relies on beyond TRL's documented API.
-
-TRL documents `GRPOConfig`, the `GRPOTrainer` constructor, `train()` and the public `compute_loss`; the subclass
-also overrides private methods and reads or writes trainer state that TRL may rename or remove in any release.
-They are all listed here, with what each is for. `missing_names()` says which are gone; the trainer runs it at
-start-up (`check_trl_surface`), and tests/test_trl_surface.py checks both directions: every name listed exists in
-the installed TRL, and every TRL name trl_trainer.py touches is listed.
+"""Every name of TRL's GRPOTrainer (1.16) that `TrustClipGRPOTrainer` relies on beyond TRL's documented API
+(`GRPOConfig`, the constructor, `train()`, `compute_loss`): private methods and trainer state that TRL may rename or
+remove in any release, each with what it is for. The trainer checks them at start-up (`check_trl_surface`);
+tests/test_trl_surface.py checks that each exists in the installed TRL and that every one trl_trainer.py touches is
+listed.
 """
 
 from __future__ import annotations
@@ -12,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from typing import Any
+
+from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS
 
 # Private methods the subclass overrides -> the parameters its override (or its calls of them) relies on.
 OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
@@ -21,9 +21,7 @@ OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
     "_compute_loss": ("model", "inputs"),  # the trustclip objective's per-token loss replaces TRL's
     "_get_per_token_logps_and_entropies": (  # fused log-probs / entropies; a NaN placeholder when deferred
         "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
-    ),
+        "compute_aux_loss", *MULTIMODAL_KEYS),
     # sample from the low-precision copy (generation_dtype)
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations"),
     # transformers.Trainer's, also overridden by GRPOTrainer: the resolved checkpoint of a resume, where the
@@ -70,7 +68,7 @@ FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
              "trl.trainer.utils": ("add_fused_lm_head",)}  # mixed_precision.py: float32 log-probs
 
 
-def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:
+def missing_names(trainer: Any = None) -> list[str]:
     """Every listed name the installed TRL lacks, as `what: name (why)`; [] when all are there. `trainer` (an
     instance, optional) lets the instance attributes be checked too."""
     import importlib
@@ -78,14 +76,13 @@ def missing_names(trainer_cls: Any = None, trainer: Any = None) -> list[str]:
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    trainer_cls = trainer_cls or GRPOTrainer
     missing = []
     for group, methods in (("overridden method", OVERRIDDEN_METHODS), ("method", CALLED_METHODS)):
         for name, params in methods.items():
-            if not callable(getattr(trainer_cls, name, None)):
+            if not callable(getattr(GRPOTrainer, name, None)):
                 missing.append(f"{group} GRPOTrainer.{name}")
                 continue
-            have = inspect.signature(getattr(trainer_cls, name)).parameters
+            have = inspect.signature(getattr(GRPOTrainer, name)).parameters
             missing += [f"parameter {p!r} of GRPOTrainer.{name}" for p in params if p not in have]
     if trainer is not None:
         missing += [f"attribute GRPOTrainer.{name} ({why})" for name, why in ATTRIBUTES.items()

@@ -1,20 +1,16 @@
 """TRL 1.16 `GRPOTrainer` with the per-token policy loss replaced by any trustclip objective.
 
-TRL 1.16 computes each `loss_type`'s per-token loss inline in `_compute_loss` (no method of its own to override), so
-the subclass overrides `_compute_loss` and changes that one step: the per-token loss is the trustclip objective's,
-aggregated with exact global normalisers (each micro-batch returns its share of the optimizer step's one-big-batch
-loss; `step_counts`). The rest follows TRL's loss step by step: TRL's own methods where it has them (the fused
-log-prob path, the high-entropy and off-policy masks), TRL's formulas where they are inline (vLLM importance weights,
-the k3 KL to a reference model, the entropy bonus and its adaptive controller, whose state stays TRL's and is saved
-by TRL, the MoE auxiliary loss, the metric names); tests/test_trl_surface.py and tests/test_trainer.py check each
-against TRL's own loss, values and gradients. Every private TRL name used is listed in `trl_surface.py` and checked
-at start-up. Apart, testable without TRL: truly_ppo's full-vocabulary KL (`trustclip.objectives.full_kl`, fed with
-the model's hidden states by `full_vocab`), atr_adaptive's delta controller (`delta_control.DeltaControlCallback`),
-DAPO's zero-advantage filter (`zero_advantage`).
+TRL computes each `loss_type`'s per-token loss inline in `_compute_loss` (no method of its own to override), so the
+subclass overrides `_compute_loss` and changes that one step: the objective's per-token loss, aggregated with exact
+global normalisers (`step_counts`). The rest follows TRL's loss step by step: TRL's own methods where it has them
+(fused log-probs, the high-entropy and off-policy masks), TRL's formulas where they are inline (vLLM importance
+weights, the k3 reference KL, the entropy bonus and its adaptive controller, whose state TRL saves, the MoE auxiliary
+loss, the metric names); tests/test_trl_surface.py and tests/test_trainer.py check each against TRL's own loss. The
+private TRL names used are listed in `trl_surface.py` and checked at start-up.
 
-Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch is used for more than one
-optimizer step: `num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`. Otherwise every
-clipping objective reduces to the plain policy gradient; the trainer warns loudly at start-up.
+Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch serves more than one
+optimizer step (`num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`); otherwise every
+clipping objective is the plain policy gradient, and the trainer warns loudly at start-up.
 """
 
 from __future__ import annotations
@@ -29,18 +25,15 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from trustclip import metric_names as names
-from trustclip.objectives import Objective, aggregate, compute_token_loss, get_objective
+from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
 from trustclip.objectives.adaptive import controller_for
-from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.full_kl import CHUNK_ELEMENTS
-from trustclip.objectives.registry import TokenLoss
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
-from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.trainers.delta_control import DeltaControlCallback
 from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
 from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
 from trustclip.trainers.step_counts import StepCounts
-from trustclip.trainers.trl_config import TrustClipGRPOConfig, delta_control_error, generation_period, on_policy_warning
+from trustclip.trainers.trl_config import TrustClipGRPOConfig, check_delta_control, generation_period, on_policy_warning
 from trustclip.trainers.trl_surface import check_trl_surface
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
@@ -68,19 +61,16 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 raise ValueError("with a plain GRPOConfig pass objective=NAME (or use TrustClipGRPOConfig)")
             args = TrustClipGRPOConfig.from_grpo_config(
                 args, objective=objective.name if isinstance(objective, Objective) else objective)
-        spec = objective if objective is not None else args.objective
-        hparams = args.objective_kwargs if objective is None or isinstance(objective, str) else {}
         self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
-        max_len = args.max_len_normalizer
-        self._objective = spec if isinstance(spec, Objective) and not hparams else get_objective(spec, **hparams)
-        message = delta_control_error(args, self._objective.name)
-        if message:
-            raise ValueError(message)
+        self._objective = objective if isinstance(objective, Objective) else get_objective(
+            objective if objective is not None else args.objective, **args.objective_kwargs)
+        check_delta_control(args, self._objective.name)
         self.delta_controller = controller_for(self._objective)  # atr_adaptive's state; None for other objectives
-        self._delta_callback = None if self.delta_controller is None else DeltaControlCallback(
-            self.delta_controller, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            generate_every=generation_period(args))
-        if self._delta_callback is not None:
+        self._delta_callback = None
+        if self.delta_controller is not None:
+            self._delta_callback = DeltaControlCallback(
+                self.delta_controller, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                generate_every=generation_period(args))
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
         self._score_later = False  # its slices' old log-probs are due when TRL buffers them (`_score_old_logps`)
@@ -89,15 +79,14 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             float32_lm_head(self)  # the log-probs, and so the ratio, in float32
         self._sampler = low_precision_sampler(self)  # generation_dtype's copy of the policy, or None
-        self.max_len_normalizer = max_len or args.max_completion_length
+        self.max_len_normalizer = args.max_len_normalizer or args.max_completion_length
         self._step_counts = StepCounts(  # the exact normalisers of each optimizer step
             steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations,
             gradient_accumulation_steps=args.gradient_accumulation_steps)
         self._buffer_seen = None
-        self.skip_zero_advantage = bool(getattr(args, "skip_zero_advantage", False))
         self._full_vocab = FullVocabForward(  # truly_ppo's forward, and pi_old's LM head
-            getattr(args, "full_kl_storage", "hidden"), getattr(args, "full_kl_topk", DEFAULT_TOPK), args.temperature,
-            self.accelerator.unwrap_model, self.accelerator.autocast)
+            args.full_kl_storage, args.full_kl_topk, args.temperature, self.accelerator.unwrap_model,
+            self.accelerator.autocast)
         message = on_policy_warning(args, self._objective.name)
         if message:
             bar = "!" * 100
@@ -115,7 +104,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-        skip = self.skip_zero_advantage and self.model.training
+        skip = self.args.skip_zero_advantage and self.model.training
         full_kl = "full_kl" in self.objective.requires
         # TRL's old-log-prob forward over the whole batch waits (`_score_old_logps`; truly_ppo's old pass, below),
         # except with beta > 0 (the placeholder would replace the reference model's forward too) or when vLLM's
@@ -223,8 +212,10 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if self.args.beta != 0.0:
             per_token_kl = self._reference_kl(inputs, logps, batch)
             per_token_loss = per_token_loss + self.args.beta * per_token_kl * batch.mask * (1.0 if has_tokens else 0.0)
-        loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=self.max_len_normalizer,
-                         **self._denominators(inputs, mode))
+        denominators = self._step_counts.denominators(  # global, of this micro-batch's optimizer step, per process
+            self.aggregation, inputs, micro_step=self._step, training=mode == "train",
+            accumulation=self._accumulation(mode), processes=self.accelerator.num_processes)
+        loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=self.max_len_normalizer, **denominators)
         # Per-micro-batch policy loss before the accumulation / process split (TRL's `policy_loss`).
         policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
         values, tokens = self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl,
@@ -306,12 +297,6 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _accumulation(self, mode: str) -> int:
         return self.current_gradient_accumulation_steps if mode == "train" else 1
-
-    def _denominators(self, inputs: dict[str, Any], mode: str) -> dict[str, float]:
-        """Global denominators of this micro-batch's optimizer step, per process (`step_counts.StepCounts`)."""
-        return self._step_counts.denominators(self.aggregation, inputs, micro_step=self._step, training=mode == "train",
-                                              accumulation=self._accumulation(mode),
-                                              processes=self.accelerator.num_processes)
 
     def _entropy_bonus(self, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor | float:
         """-coef * mean entropy over the tokens the loss acts on, with TRL's adaptive controller (TRL's formulas, and

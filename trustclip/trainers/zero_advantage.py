@@ -1,10 +1,6 @@
-"""DAPO's zero-advantage filter without its re-sampling (`skip_zero_advantage`), on a generation batch.
-
-With a binary reward, a group whose rewards all agree has advantage exactly 0 for every completion (arXiv
-2503.14476, Eq. 11): it carries no policy gradient. Leaving those completions out of the update keeps its direction
-(with beta = 0, no entropy bonus and an objective without batch statistics) and makes it cheaper. Plain tensors and
-lists in, the kept rows out; the only collective is the caller's `sum_over_processes`.
-"""
+"""DAPO's zero-advantage filter without its re-sampling (`skip_zero_advantage`, arXiv 2503.14476, Eq. 11), on a
+generation batch: plain tensors and lists in, the kept rows out; the only collective is the caller's
+`sum_over_processes`."""
 
 from __future__ import annotations
 
