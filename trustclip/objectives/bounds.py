@@ -18,24 +18,9 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from scipy.optimize import brentq
 from scipy.special import lambertw
-
-__all__ = [
-    "check_delta",
-    "check_probability",
-    "divergence_bounds",
-    "is_kl3_bounds",
-    "kl1_bounds",
-    "kl2_bounds",
-    "kl3_bounds",
-    "dcpo_bounds",
-    "trgppo_bounds",
-    "kl1",
-    "kl2",
-    "kl3",
-    "is_kl3",
-]
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
@@ -201,10 +186,12 @@ def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iteration
     Newton's method from the right end of the bracket decreases monotonically to the root, quadratically.
     """
     delta = check_delta(delta)
-    if not hasattr(q, "clamp"):
+    is_tensor = hasattr(q, "clamp")
+    if is_tensor:
+        xp, qd = torch, q.detach().to(torch.float64).clamp(1e-12, 1 - 1e-12)
+    else:
         check_probability(q)
-    xp = _Ops(q)
-    qd = xp.clip_probability(q)
+        xp, qd = np, np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
     log_1mq, log_q = xp.log1p(-qd), xp.log(qd)
     s = (delta - (1 - qd) * log_1mq) / qd
     t = (delta - qd * log_q) / (1 - qd)
@@ -219,30 +206,6 @@ def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iteration
     low, high = xp.exp(-s), (-xp.expm1(-t) + qd * xp.exp(-t)) / qd
     if epsilon is not None:
         low, high = low.clip(max=1 - epsilon), high.clip(min=1 + epsilon)
-    return xp.result(q, low, high)
-
-
-class _Ops:
-    """The few elementwise float64 operations the solver needs, for torch tensors or numpy/floats."""
-
-    def __init__(self, q):
-        self.torch = hasattr(q, "clamp")
-        if self.torch:
-            import torch
-
-            self.lib = torch
-        else:
-            self.lib = np
-
-    def clip_probability(self, q):
-        if self.torch:
-            return q.detach().to(self.lib.float64).clamp(1e-12, 1 - 1e-12)
-        return np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
-
-    def __getattr__(self, name):  # exp, log, log1p, expm1
-        return getattr(self.lib, name)
-
-    def result(self, q, low, high):
-        if self.torch:
-            return low.to(q.dtype), high.to(q.dtype)
-        return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)
+    if is_tensor:
+        return low.to(q.dtype), high.to(q.dtype)
+    return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)

@@ -28,7 +28,11 @@ class Constraint:
     """Base class: a per-token feasibility test C_t(theta)."""
 
     def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        raise NotImplementedError
+        """Bool (B, T); by default the ratio is within `interval` (a constraint without one overrides this)."""
+        bounds = self.interval(batch)
+        if bounds is None:
+            raise NotImplementedError
+        return (batch.ratio >= bounds[0]) & (batch.ratio <= bounds[1])
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
         """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval. An interval holds
@@ -46,9 +50,6 @@ class RatioInterval(Constraint):
     def __post_init__(self) -> None:
         if not (0 <= self.low <= 1 <= self.high):
             raise ValueError(f"ratio interval must satisfy 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
-
-    def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        return (batch.ratio >= self.low) & (batch.ratio <= self.high)
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound]:
         return self.low, self.high
@@ -126,10 +127,6 @@ class ProbabilityInterval(Constraint):
 
     def interval(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.bounds_of_q(batch.old_logp.exp())
-
-    def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        low, high = self.interval(batch)
-        return (batch.ratio >= low) & (batch.ratio <= high)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,12 @@ class TokenLoss:
     clipped_high: torch.Tensor
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # (B, T) -> masked mean, () -> as is
 
+    @classmethod
+    def outside(cls, loss: torch.Tensor, adv: torch.Tensor, below: torch.Tensor, above: torch.Tensor,
+                **stats: torch.Tensor) -> TokenLoss:
+        """Clipped tokens: those outside the region on the side A favours (below it with A < 0, above it with A > 0)."""
+        return cls(loss, clipped_low=below & (adv < 0), clipped_high=above & (adv > 0), stats=stats)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -68,10 +74,6 @@ def number(default: float, low: float | None = None, high: float | None = None, 
 def choice(default: Any, *options: Any, doc: str = "") -> Param:
     allowed = (default, *options)
     return Param(default, lambda x: x in allowed, f"one of {allowed}", doc)
-
-
-def anything(default: Any, rule: str, check: Callable[[Any], bool], doc: str = "") -> Param:
-    return Param(default, check, rule, doc)
 
 
 @dataclass(frozen=True)
@@ -172,15 +174,13 @@ def ratio_bounds(name: str | Objective, q: Any = None, **hparams: Any):
     spec = objective.spec
     if spec.bounds is None:
         raise ValueError(f"objective {spec.name!r} has no ratio interval: {spec.summary}")
-    if q is not None and not spec.q_dependent:
-        raise ValueError(f"objective {spec.name!r} has constant bounds; q does not apply")
-    if q is not None:
-        check_probability(q)
-    if spec.q_dependent:
-        if q is None:
-            return (lambda x: spec.bounds(objective.hparams, x)[0], lambda x: spec.bounds(objective.hparams, x)[1])
-        return spec.bounds(objective.hparams, q)
-    return spec.bounds(objective.hparams)
+    if not spec.q_dependent:
+        if q is not None:
+            raise ValueError(f"objective {spec.name!r} has constant bounds; q does not apply")
+        return spec.bounds(objective.hparams)
+    if q is None:
+        return (lambda x: spec.bounds(objective.hparams, x)[0], lambda x: spec.bounds(objective.hparams, x)[1])
+    return spec.bounds(objective.hparams, check_probability(q))
 
 
 def list_objectives() -> list[dict[str, Any]]:

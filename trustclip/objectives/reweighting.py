@@ -54,12 +54,8 @@ def cispo(batch: PolicyBatch, *, epsilon_low: float | None, epsilon_high: float)
     low = 0.0 if epsilon_low is None else 1.0 - epsilon_low
     high = 1.0 + epsilon_high
     weight = w.clamp(min=low, max=high).detach()
-    return TokenLoss(
-        -weight * adv * batch.logp,
-        clipped_low=(w < low) & (adv < 0),
-        clipped_high=(w > high) & (adv > 0),
-        stats={"capped_frac": (w < low) | (w > high)},
-    )
+    return TokenLoss.outside(-weight * adv * batch.logp, adv, below=w < low, above=w > high,
+                             capped_frac=(w < low) | (w > high))
 
 
 def _entropy_split_epsilon(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, low_eps: float,
@@ -104,20 +100,12 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     pos, neg = adv > 0, adv < 0
     above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
     weight_pos = torch.where(above, 0.0, torch.where(tiny, c, 1 / w))
-    value_pos = adv / _at_most(w.clamp(min=1 / c), upper)
+    value_pos = adv / w.clamp(min=1 / c).clamp(max=upper)
     weight_neg = torch.where(below, 0.0, torch.where(huge, c, w))
-    value_neg = adv * _at_least(w, lower).clamp(max=c)
+    value_neg = adv * w.clamp(min=lower).clamp(max=c)
     loss = loss_with_weight(batch, torch.where(pos, value_pos, value_neg), torch.where(pos, weight_pos, weight_neg))
     return TokenLoss(loss, clipped_low=neg & below, clipped_high=pos & above,
                      stats={"soft_clip_frac": (pos & tiny) | (neg & huge)})
-
-
-def _at_most(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
-    return torch.minimum(x, bound) if torch.is_tensor(bound) else x.clamp(max=bound)
-
-
-def _at_least(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
-    return torch.maximum(x, bound) if torch.is_tensor(bound) else x.clamp(min=bound)
 
 
 def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> TokenLoss:
@@ -135,12 +123,8 @@ def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> T
     s = token_log_ratio.exp()
     loss = -torch.minimum(s * adv, s.clamp(low, high) * adv)
     seq_ratio = s.detach()
-    return TokenLoss(
-        loss,
-        clipped_low=(s < low) & (adv < 0),
-        clipped_high=(s > high) & (adv > 0),
-        stats={"seq_ratio_mean": seq_ratio, "seq_kl3_mean": seq_ratio - 1 - token_log_ratio.detach()},
-    )
+    return TokenLoss.outside(loss, adv, below=s < low, above=s > high, seq_ratio_mean=seq_ratio,
+                             seq_kl3_mean=seq_ratio - 1 - token_log_ratio.detach())
 
 
 @register_objective(
