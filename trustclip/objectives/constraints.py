@@ -3,11 +3,9 @@
 ATR paper (arXiv 2602.05494), eq. 5:
     clip_general(w_t, C) = w_t if C_t(theta) holds, else w_t(theta_old) (= 1, no gradient)
     J = E[min(w_t A_t, clip_general(w_t, C) A_t)]
-A constraint answers one question per token, `holds(batch) -> bool (B, T)`. Constraints whose
-feasible set is a ratio interval [l, u] also expose `interval(batch)`; the surrogate then takes PPO's
-form min(wA, clip(w, l, u) A), which has the same gradient (Theorem 4.1) and the same loss value as
-TRL / verl. Write your own by subclassing `Constraint` (or pass any divergence of w to
-`DivergenceConstraint`).
+A constraint answers one question per token, `holds(batch) -> bool (B, T)`; one whose feasible set is a ratio
+interval [l, u] also exposes `interval(batch)`, for PPO's form of the surrogate (`clipped_surrogate`). Write your own
+by subclassing `Constraint` (or pass any divergence of w to `DivergenceConstraint`).
 """
 
 from __future__ import annotations

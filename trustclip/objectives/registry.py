@@ -57,11 +57,8 @@ def number(default: float, low: float | None = None, high: float | None = None, 
     def check(x: Any) -> bool:
         if x is None:
             return optional
-        if not is_finite_number(x):
-            return False
-        if low is not None and (x <= low if strict_low else x < low):
-            return False
-        return high is None or x <= high
+        return (is_finite_number(x) and (low is None or (x > low if strict_low else x >= low))
+                and (high is None or x <= high))
 
     lo = "" if low is None else (f"> {low}" if strict_low else f">= {low}")
     hi = "" if high is None else f"<= {high}"
