@@ -1,9 +1,8 @@
 """Objectives as plain functions in a registry, selected by name (verl `core_algos.py` style).
 
-An objective function takes a validated `PolicyBatch` and its hyper-parameters and returns a
-`TokenLoss`: the per-token loss -J_t (aggregation happens elsewhere) plus boolean masks of the tokens
-it clipped low / high, and any statistics of its own. Hyper-parameters are declared with `Param`
-so that a bad value fails at `get_objective` time with a message naming it and the valid range.
+An objective function takes a validated `PolicyBatch` and its hyper-parameters and returns a `TokenLoss`
+(aggregation happens elsewhere). Hyper-parameters are declared with `Param` so that a bad value fails at
+`get_objective` time with a message naming it and the valid range.
 """
 
 from __future__ import annotations
