@@ -73,11 +73,10 @@ def make_batch(
     if not logp.is_floating_point():
         raise ValueError(f"logp must be a floating-point tensor, got dtype {logp.dtype}")
     shape = logp.shape
-    if not isinstance(mask, torch.Tensor) or mask.shape != shape:
-        raise ValueError(f"mask has shape {_describe(mask)}, expected {tuple(shape)} (same as logp)")
     old_logp = logp.detach() if old_logp is None else old_logp
-    if not isinstance(old_logp, torch.Tensor) or old_logp.shape != shape:
-        raise ValueError(f"old_logp has shape {_describe(old_logp)}, expected {tuple(shape)} (same as logp)")
+    for name, x in (("mask", mask), ("old_logp", old_logp)):
+        if not isinstance(x, torch.Tensor) or x.shape != shape:
+            raise ValueError(f"{name} has shape {_describe(x)}, expected {tuple(shape)} (same as logp)")
     extras = {name: x for name, x in (extras or {}).items() if x is not None}
     for name, x in extras.items():
         if not isinstance(x, torch.Tensor) or x.shape != shape:
@@ -155,11 +154,9 @@ def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.
     """(B, T) advantages as given, per-sequence ones as (B, 1) (they broadcast against (B, T))."""
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
-    if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape[0] == shape[0]:
-        return advantages
     if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
         return advantages.unsqueeze(1)
-    if advantages.shape == shape:
+    if advantages.shape in (shape, (shape[0], 1)):
         return advantages
     raise ValueError(
         f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}"
