@@ -117,28 +117,26 @@ def kl1_bounds(delta: float, two_sided: bool = False) -> tuple[float, float]:
     return math.exp(-delta), (math.exp(delta) if two_sided and delta < 709.0 else math.inf)
 
 
-def divergence_bounds(
-    divergence: Callable[[float], float], delta: float, *, w_max: float = 1e6
-) -> tuple[float, float]:
+def divergence_bounds(divergence: Callable[[float], float], delta: float) -> tuple[float, float]:
     """Interval {w > 0 : D(w) <= delta} for any D convex in w with D(1) = 0, found with brentq.
 
     A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf. A D that is NaN
-    anywhere on [1e-12, w_max] is rejected: the constraint would silently hold nowhere (or everywhere) there.
+    anywhere on [1e-12, 1e6] is rejected: the constraint would silently hold nowhere (or everywhere) there.
     """
     delta = check_delta(delta)
+    w_min, w_max = 1e-12, 1e6
     d1 = float(divergence(1.0))
     if not abs(d1) <= 1e-12:  # also catches NaN
         raise ValueError(f"divergence must be 0 at w = 1 (got D(1) = {d1}); is it a divergence of the ratio?")
-    for w in np.geomspace(1e-12, w_max, 181):
+    for w in np.geomspace(w_min, w_max, 181):
         value = float(divergence(float(w)))
         if math.isnan(value) or value == -math.inf:
             raise ValueError(f"divergence is {value} at w = {w:.4g}: it must be a number (or +inf) for every ratio "
-                             f"w in [1e-12, {w_max:g}]")
+                             f"w in [{w_min:g}, {w_max:g}]")
 
     def excess(w: float) -> float:
         return float(divergence(w)) - delta
 
-    w_min = 1e-12
     low = brentq(excess, w_min, 1.0, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_min) > 0 else 0.0
     high = brentq(excess, 1.0, w_max, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_max) > 0 else math.inf
     return float(low), float(high)
