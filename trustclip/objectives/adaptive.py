@@ -15,8 +15,7 @@ the controller holds the fraction of tokens whose gradient the constraint remove
 way (too many tokens held -> a wider region). Why kl3_mean is the default: docs/beyond-the-paper.md.
 
 The objective itself is pure and stateless: at a given delta `atr_adaptive` is exactly ATR-GRPO (`kl3`). The
-state lives in `DeltaController` (plain Python: `update(metrics) -> delta`, `state_dict()`, `load_state_dict()`);
-`TrustClipGRPOTrainer` feeds it once per generation batch and saves it in every checkpoint.
+state lives in `DeltaController`, which `TrustClipGRPOTrainer` saves in every checkpoint.
 """
 
 from __future__ import annotations
@@ -72,11 +71,9 @@ def _check_controller(hp: Mapping[str, Any]) -> None:
     bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
     check_all=_check_controller,
 )
-def atr_adaptive(batch: PolicyBatch, *, delta: float, target: str, target_value: float, delta_min: float,
-                 delta_max: float, tolerance: float, factor: float) -> TokenLoss:
-    """At the current delta, ATR-GRPO: J = min(w A, clip(w, l_delta, u_delta) A), [l, u] the Lambert-W region
-    of w - 1 - log w <= delta (arXiv 2602.05494, Theorem 4.2). The controller settings are read by
-    `DeltaController`, not here."""
+def atr_adaptive(batch: PolicyBatch, *, delta: float, **controller_settings: Any) -> TokenLoss:
+    """At the current delta, ATR-GRPO (`kl3`): J = min(w A, clip(w, l_delta, u_delta) A), [l, u] the Lambert-W
+    region of w - 1 - log w <= delta (arXiv 2602.05494, Theorem 4.2); `DeltaController` reads the other settings."""
     return clipped_surrogate(batch, kl_constraint("kl3", delta))
 
 

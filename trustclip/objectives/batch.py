@@ -45,26 +45,16 @@ class PolicyBatch:
         return self.extras[name]
 
 
-def _check_finite(name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
-    bad = ~torch.isfinite(x) & valid
+NON_FINITE = "{name} has {count} non-finite value(s) on unmasked tokens (first at index {where}: {value})"
+NEGATIVE = ("{name} must be >= 0 on every valid token; found {count} negative value(s) "
+            "(first at index {where}: {value:.4g})")
+
+
+def _reject(name: str, x: torch.Tensor, bad: torch.Tensor, message: str) -> None:
+    """Raise `message` (NON_FINITE, NEGATIVE) if any token is bad, naming the count and the first bad value."""
     if bad.any():
         where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"{name} has {int(bad.sum())} non-finite value(s) on unmasked tokens "
-            f"(first at index {where}: {x[where].item()})"
-        )
-
-
-def _as_valid_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    if mask.shape != shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {tuple(shape)} (same as logp)")
-    if mask.dtype != torch.bool:
-        if not torch.isfinite(mask).all() or not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("mask must contain only 0 and 1 (or be a bool tensor)")
-        mask = mask != 0
-    if not mask.any():
-        raise ValueError("mask is empty: no token to train on (every position is padding)")
-    return mask
+        raise ValueError(message.format(name=name, count=int(bad.sum()), where=where, value=x[where].item()))
 
 
 def make_batch(
@@ -83,11 +73,10 @@ def make_batch(
     if not logp.is_floating_point():
         raise ValueError(f"logp must be a floating-point tensor, got dtype {logp.dtype}")
     shape = logp.shape
-    if not isinstance(mask, torch.Tensor) or mask.shape != shape:
-        raise ValueError(f"mask has shape {_describe(mask)}, expected {tuple(shape)} (same as logp)")
     old_logp = logp.detach() if old_logp is None else old_logp
-    if not isinstance(old_logp, torch.Tensor) or old_logp.shape != shape:
-        raise ValueError(f"old_logp has shape {_describe(old_logp)}, expected {tuple(shape)} (same as logp)")
+    for name, x in (("mask", mask), ("old_logp", old_logp)):
+        if not isinstance(x, torch.Tensor) or x.shape != shape:
+            raise ValueError(f"{name} has shape {_describe(x)}, expected {tuple(shape)} (same as logp)")
     extras = {name: x for name, x in (extras or {}).items() if x is not None}
     for name, x in extras.items():
         if not isinstance(x, torch.Tensor) or x.shape != shape:
@@ -129,11 +118,14 @@ def _fast_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                    extras: dict[str, torch.Tensor], nonnegative: list[str]) -> PolicyBatch:
     """The token-by-token path: raises naming the first bad value, else neutralises padding whatever it holds."""
-    valid = _as_valid_mask(mask, logp.shape)
+    if mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all():  # NaN and inf are neither
+        raise ValueError("mask must contain only 0 and 1 (or be a bool tensor)")
+    valid = mask != 0
+    if not valid.any():
+        raise ValueError("mask is empty: no token to train on (every position is padding)")
     advantages = advantages.expand(logp.shape)
-    _check_finite("logp", logp.detach(), valid)
-    _check_finite("old_logp", old_logp.detach(), valid)
-    _check_finite("advantages", advantages.detach(), valid)
+    for name, x in (("logp", logp), ("old_logp", old_logp), ("advantages", advantages)):
+        _reject(name, x.detach(), ~torch.isfinite(x.detach()) & valid, NON_FINITE)
     for name, x in (("logp", logp), ("old_logp", old_logp)):
         too_big = (x.detach() > LOGP_MAX) & valid
         if too_big.any():
@@ -150,38 +142,21 @@ def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     clean_extras: dict[str, torch.Tensor] = {}
     for name, x in extras.items():
-        _check_finite(name, x.detach(), valid)
+        _reject(name, x.detach(), ~torch.isfinite(x.detach()) & valid, NON_FINITE)
         clean_extras[name] = torch.where(valid, x.to(logp.dtype), zero)
     for name in nonnegative:
-        _check_nonnegative(name, clean_extras[name], valid)
-    return PolicyBatch(
-        logp=logp,
-        old_logp=old_logp,
-        advantages=advantages,
-        mask=valid.to(logp.dtype),
-        log_ratio=log_ratio,
-        ratio=log_ratio.exp(),
-        extras=clean_extras,
-    )
-
-
-def _check_nonnegative(name: str, x: torch.Tensor, valid: torch.Tensor) -> None:
-    bad = (x.detach() < -NONNEGATIVE_TOLERANCE) & valid
-    if bad.any():
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} must be >= 0 on every valid token; found {int(bad.sum())} negative value(s) "
-                         f"(first at index {where}: {x[where].item():.4g})")
+        _reject(name, clean_extras[name], (clean_extras[name].detach() < -NONNEGATIVE_TOLERANCE) & valid, NEGATIVE)
+    return PolicyBatch(logp=logp, old_logp=old_logp, advantages=advantages, mask=valid.to(logp.dtype),
+                       log_ratio=log_ratio, ratio=log_ratio.exp(), extras=clean_extras)
 
 
 def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """(B, T) advantages as given, per-sequence ones as (B, 1) (they broadcast against (B, T))."""
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
-    if advantages.dim() == 2 and advantages.shape[1] == 1 and advantages.shape[0] == shape[0]:
-        return advantages
     if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
         return advantages.unsqueeze(1)
-    if advantages.shape == shape:
+    if advantages.shape in (shape, (shape[0], 1)):
         return advantages
     raise ValueError(
         f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}"

@@ -18,24 +18,9 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import torch
 from scipy.optimize import brentq
 from scipy.special import lambertw
-
-__all__ = [
-    "check_delta",
-    "check_probability",
-    "divergence_bounds",
-    "is_kl3_bounds",
-    "kl1_bounds",
-    "kl2_bounds",
-    "kl3_bounds",
-    "dcpo_bounds",
-    "trgppo_bounds",
-    "kl1",
-    "kl2",
-    "kl3",
-    "is_kl3",
-]
 
 
 def check_delta(delta: float, name: str = "delta") -> float:
@@ -132,28 +117,26 @@ def kl1_bounds(delta: float, two_sided: bool = False) -> tuple[float, float]:
     return math.exp(-delta), (math.exp(delta) if two_sided and delta < 709.0 else math.inf)
 
 
-def divergence_bounds(
-    divergence: Callable[[float], float], delta: float, *, w_max: float = 1e6
-) -> tuple[float, float]:
+def divergence_bounds(divergence: Callable[[float], float], delta: float) -> tuple[float, float]:
     """Interval {w > 0 : D(w) <= delta} for any D convex in w with D(1) = 0, found with brentq.
 
     A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf. A D that is NaN
-    anywhere on [1e-12, w_max] is rejected: the constraint would silently hold nowhere (or everywhere) there.
+    anywhere on [1e-12, 1e6] is rejected: the constraint would silently hold nowhere (or everywhere) there.
     """
     delta = check_delta(delta)
+    w_min, w_max = 1e-12, 1e6
     d1 = float(divergence(1.0))
     if not abs(d1) <= 1e-12:  # also catches NaN
         raise ValueError(f"divergence must be 0 at w = 1 (got D(1) = {d1}); is it a divergence of the ratio?")
-    for w in np.geomspace(1e-12, w_max, 181):
+    for w in np.geomspace(w_min, w_max, 181):
         value = float(divergence(float(w)))
         if math.isnan(value) or value == -math.inf:
             raise ValueError(f"divergence is {value} at w = {w:.4g}: it must be a number (or +inf) for every ratio "
-                             f"w in [1e-12, {w_max:g}]")
+                             f"w in [{w_min:g}, {w_max:g}]")
 
     def excess(w: float) -> float:
         return float(divergence(w)) - delta
 
-    w_min = 1e-12
     low = brentq(excess, w_min, 1.0, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_min) > 0 else 0.0
     high = brentq(excess, 1.0, w_max, xtol=1e-15, rtol=4 * np.finfo(float).eps) if excess(w_max) > 0 else math.inf
     return float(low), float(high)
@@ -201,10 +184,12 @@ def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iteration
     Newton's method from the right end of the bracket decreases monotonically to the root, quadratically.
     """
     delta = check_delta(delta)
-    if not hasattr(q, "clamp"):
+    is_tensor = hasattr(q, "clamp")
+    if is_tensor:
+        xp, qd = torch, q.detach().to(torch.float64).clamp(1e-12, 1 - 1e-12)
+    else:
         check_probability(q)
-    xp = _Ops(q)
-    qd = xp.clip_probability(q)
+        xp, qd = np, np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
     log_1mq, log_q = xp.log1p(-qd), xp.log(qd)
     s = (delta - (1 - qd) * log_1mq) / qd
     t = (delta - qd * log_q) / (1 - qd)
@@ -219,30 +204,6 @@ def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iteration
     low, high = xp.exp(-s), (-xp.expm1(-t) + qd * xp.exp(-t)) / qd
     if epsilon is not None:
         low, high = low.clip(max=1 - epsilon), high.clip(min=1 + epsilon)
-    return xp.result(q, low, high)
-
-
-class _Ops:
-    """The few elementwise float64 operations the solver needs, for torch tensors or numpy/floats."""
-
-    def __init__(self, q):
-        self.torch = hasattr(q, "clamp")
-        if self.torch:
-            import torch
-
-            self.lib = torch
-        else:
-            self.lib = np
-
-    def clip_probability(self, q):
-        if self.torch:
-            return q.detach().to(self.lib.float64).clamp(1e-12, 1 - 1e-12)
-        return np.clip(np.asarray(q, dtype=np.float64), 1e-12, 1 - 1e-12)
-
-    def __getattr__(self, name):  # exp, log, log1p, expm1
-        return getattr(self.lib, name)
-
-    def result(self, q, low, high):
-        if self.torch:
-            return low.to(q.dtype), high.to(q.dtype)
-        return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)
+    if is_tensor:
+        return low.to(q.dtype), high.to(q.dtype)
+    return (float(low), float(high)) if np.ndim(low) == 0 else (low, high)

@@ -21,7 +21,7 @@ from trustclip.objectives.constraints import (
     RatioInterval,
     kl_constraint,
 )
-from trustclip.objectives.registry import TokenLoss, anything, choice, number, register_objective
+from trustclip.objectives.registry import Param, TokenLoss, choice, number, register_objective
 
 EPS_RULE = dict(low=0.0, high=1.0)  # ratio-clip epsilons: 1 - eps must stay a valid ratio >= 0
 
@@ -38,14 +38,10 @@ def clipped_surrogate(batch: PolicyBatch, constraint: Constraint, *, general_for
     if interval is not None:
         low, high = interval  # low <= 1 <= high: below the region is w < low, above it w > high
         loss = -torch.minimum(w * adv, torch.clamp(w, min=low, max=high) * adv)
-        return TokenLoss(loss=loss, clipped_low=(w < low) & (adv < 0), clipped_high=(w > high) & (adv > 0))
+        return TokenLoss.outside(loss, adv, below=w < low, above=w > high)
     holds = constraint.holds(batch)
     loss = -torch.minimum(w * adv, torch.where(holds, w, torch.ones_like(w)) * adv)
-    return TokenLoss(
-        loss=loss,
-        clipped_low=~holds & (w < 1) & (adv < 0),
-        clipped_high=~holds & (w > 1) & (adv > 0),
-    )
+    return TokenLoss.outside(loss, adv, below=~holds & (w < 1), above=~holds & (w > 1))
 
 
 def apply_dual_clip(out: TokenLoss, batch: PolicyBatch, clip_ratio_c: float | None) -> TokenLoss:
@@ -253,8 +249,7 @@ def truly_ppo(batch: PolicyBatch, *, delta: float, rollback: float, mode: str) -
     w, adv = batch.ratio, batch.advantages
     triggered = (kl.detach() >= delta) & ((w - 1) * adv > 0)
     loss = -torch.where(triggered, w * adv - rollback * kl, w * adv)
-    return TokenLoss(loss, clipped_low=triggered & (adv < 0), clipped_high=triggered & (adv > 0),
-                     stats={"full_kl_mean": kl.detach()})
+    return TokenLoss.outside(loss, adv, below=triggered, above=triggered, full_kl_mean=kl.detach())
 
 
 # --------------------------------------------------------------------------- any user constraint
@@ -262,7 +257,7 @@ def truly_ppo(batch: PolicyBatch, *, delta: float, rollback: float, mode: str) -
     "general",
     source="Unified clipping framework, ATR paper (arXiv 2602.05494, eq. 5)",
     summary="clip_general with any user Constraint (see trustclip.objectives.constraints)",
-    params={"constraint": anything(None, "a trustclip Constraint instance", lambda c: isinstance(c, Constraint))},
+    params={"constraint": Param(None, lambda c: isinstance(c, Constraint), "a trustclip Constraint instance")},
 )
 def general(batch: PolicyBatch, *, constraint: Constraint) -> TokenLoss:
     """J = min(w A, clip_general(w, C) A), clip_general = w where C holds, else w_old = 1 (no gradient)."""

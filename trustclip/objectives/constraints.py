@@ -3,11 +3,9 @@
 ATR paper (arXiv 2602.05494), eq. 5:
     clip_general(w_t, C) = w_t if C_t(theta) holds, else w_t(theta_old) (= 1, no gradient)
     J = E[min(w_t A_t, clip_general(w_t, C) A_t)]
-A constraint answers one question per token, `holds(batch) -> bool (B, T)`. Constraints whose
-feasible set is a ratio interval [l, u] also expose `interval(batch)`; the surrogate then takes PPO's
-form min(wA, clip(w, l, u) A), which has the same gradient (Theorem 4.1) and the same loss value as
-TRL / verl. Write your own by subclassing `Constraint` (or pass any divergence of w to
-`DivergenceConstraint`).
+A constraint answers one question per token, `holds(batch) -> bool (B, T)`; one whose feasible set is a ratio
+interval [l, u] also exposes `interval(batch)`, for PPO's form of the surrogate (`clipped_surrogate`). Write your own
+by subclassing `Constraint` (or pass any divergence of w to `DivergenceConstraint`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,11 @@ class Constraint:
     """Base class: a per-token feasibility test C_t(theta)."""
 
     def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        raise NotImplementedError
+        """Bool (B, T); by default the ratio is within `interval` (a constraint without one overrides this)."""
+        bounds = self.interval(batch)
+        if bounds is None:
+            raise NotImplementedError
+        return (batch.ratio >= bounds[0]) & (batch.ratio <= bounds[1])
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound] | None:
         """Ratio bounds [l, u] equivalent to the constraint, or None if it is not an interval. An interval holds
@@ -46,9 +48,6 @@ class RatioInterval(Constraint):
     def __post_init__(self) -> None:
         if not (0 <= self.low <= 1 <= self.high):
             raise ValueError(f"ratio interval must satisfy 0 <= low <= 1 <= high, got [{self.low}, {self.high}]")
-
-    def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        return (batch.ratio >= self.low) & (batch.ratio <= self.high)
 
     def interval(self, batch: PolicyBatch) -> tuple[Bound, Bound]:
         return self.low, self.high
@@ -126,10 +125,6 @@ class ProbabilityInterval(Constraint):
 
     def interval(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self.bounds_of_q(batch.old_logp.exp())
-
-    def holds(self, batch: PolicyBatch) -> torch.Tensor:
-        low, high = self.interval(batch)
-        return (batch.ratio >= low) & (batch.ratio <= high)
 
 
 @dataclass(frozen=True)

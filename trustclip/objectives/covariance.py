@@ -54,12 +54,7 @@ def clip_cov(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, cli
     detached[chosen] = True
     detached = detached.view_as(w)
     loss = torch.where(detached, torch.zeros_like(w), torch.maximum(unclipped, clipped))
-    return TokenLoss(
-        loss,
-        clipped_low=clipped_by_ratio & (adv < 0),
-        clipped_high=clipped_by_ratio & (adv > 0),
-        stats={"cov_selected_frac": detached},
-    )
+    return TokenLoss.outside(loss, adv, below=clipped_by_ratio, above=clipped_by_ratio, cov_selected_frac=detached)
 
 
 @register_objective(

@@ -1,20 +1,13 @@
 """truly_ppo's full-vocabulary quantities from the LM head's input, in bounded memory (Liger-Kernel style).
 
 Truly PPO (arXiv 1903.07940) constrains the exact per-state KL_t = KL(pi_old(.|s_t) || pi(.|s_t)), a sum over the
-whole vocabulary V. Its logits would be a (B, T, V) tensor (3.2 GB for 256 x 64 tokens at V = 49,152, and as much
-again for the backward pass). `full_vocab_logprobs` takes the final hidden states (N, H) and the LM head instead,
-runs the head on chunks of positions, and recomputes each chunk's logits in the backward pass (activation
-checkpointing) instead of keeping them: at most one (chunk, V) block exists at a time. Per position it returns the
-log-prob of the target token and the entropy (at the sampling temperature), and, given pi_old, the KL:
-
-    exact     from pi_old's hidden states and LM head (its logits recomputed chunk by chunk):
-              KL_t = sum_v p_old(v) (log p_old(v) - log p(v))
-    top-k     from pi_old's top-k log-probs and tail mass (`trustclip.objectives.topk_kl`): the KL of the
-              coarse-grained distributions, a lower bound low by the tail mass times the KL within the tail.
-
-Both are differentiable in the current policy (the rollback term of TR-PPO-RB needs that gradient); pi_old's side
-carries no gradient. With `keep_topk` it returns the policy's own top-k summary instead (what to keep of pi_old).
-Pure torch: usable from any trainer (`TrustClipGRPOTrainer` captures the hidden states of a transformers model).
+whole vocabulary V, whose (B, T, V) logits would not fit (3.2 GB for 256 x 64 tokens at V = 49,152, and as much
+again for the backward pass). `full_vocab_logprobs` runs the LM head on chunks of positions and recomputes each
+chunk's logits in the backward pass (activation checkpointing): at most one (chunk, V) block exists at a time. The KL
+is exact, sum_v p_old(v) (log p_old(v) - log p(v)) from pi_old's hidden states and LM head, or the top-k lower bound
+of `trustclip.objectives.topk_kl`; both are differentiable in the current policy (TR-PPO-RB's rollback term needs that
+gradient), pi_old's side carries none. Pure torch: usable from any trainer (`TrustClipGRPOTrainer` captures the
+hidden states of a transformers model).
 """
 
 from __future__ import annotations

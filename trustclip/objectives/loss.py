@@ -7,20 +7,10 @@ import torch
 from trustclip.objectives.aggregation import aggregate, check_aggregation
 from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.registry import Objective, TokenLoss, get_objective
-from trustclip.objectives.statistics import (
-    OFFPOLICY_EPSILON,
-    PolicyMetrics,
-    offpolicy_tokens,
-    reduce_statistics,
-    token_statistics,
-)
-
-__all__ = ["OFFPOLICY_EPSILON", "compute_policy_loss", "compute_token_loss", "offpolicy_tokens", "policy_metrics"]
+from trustclip.objectives.statistics import PolicyMetrics, reduce_statistics, token_statistics
 
 EXTRA_INPUTS = ("entropy", "full_kl")
-# Inputs that are non-negative by definition (an entropy, a KL, a weight): checked on every valid token, with
-# `batch.NONNEGATIVE_TOLERANCE` for float32 rounding.
-NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")
+NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")  # see batch.NONNEGATIVE_TOLERANCE
 
 
 def compute_token_loss(

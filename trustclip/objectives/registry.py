@@ -1,9 +1,8 @@
 """Objectives as plain functions in a registry, selected by name (verl `core_algos.py` style).
 
-An objective function takes a validated `PolicyBatch` and its hyper-parameters and returns a
-`TokenLoss`: the per-token loss -J_t (aggregation happens elsewhere) plus boolean masks of the tokens
-it clipped low / high, and any statistics of its own. Hyper-parameters are declared with `Param`
-so that a bad value fails at `get_objective` time with a message naming it and the valid range.
+An objective function takes a validated `PolicyBatch` and its hyper-parameters and returns a `TokenLoss`
+(aggregation happens elsewhere). Hyper-parameters are declared with `Param` so that a bad value fails at
+`get_objective` time with a message naming it and the valid range.
 """
 
 from __future__ import annotations
@@ -28,6 +27,12 @@ class TokenLoss:
     clipped_high: torch.Tensor
     stats: dict[str, torch.Tensor] = field(default_factory=dict)  # (B, T) -> masked mean, () -> as is
 
+    @classmethod
+    def outside(cls, loss: torch.Tensor, adv: torch.Tensor, below: torch.Tensor, above: torch.Tensor,
+                **stats: torch.Tensor) -> TokenLoss:
+        """Clipped tokens: those outside the region on the side A favours (below it with A < 0, above it with A > 0)."""
+        return cls(loss, clipped_low=below & (adv < 0), clipped_high=above & (adv > 0), stats=stats)
+
 
 @dataclass(frozen=True)
 class Param:
@@ -51,11 +56,8 @@ def number(default: float, low: float | None = None, high: float | None = None, 
     def check(x: Any) -> bool:
         if x is None:
             return optional
-        if not is_finite_number(x):
-            return False
-        if low is not None and (x <= low if strict_low else x < low):
-            return False
-        return high is None or x <= high
+        return (is_finite_number(x) and (low is None or (x > low if strict_low else x >= low))
+                and (high is None or x <= high))
 
     lo = "" if low is None else (f"> {low}" if strict_low else f">= {low}")
     hi = "" if high is None else f"<= {high}"
@@ -68,10 +70,6 @@ def number(default: float, low: float | None = None, high: float | None = None, 
 def choice(default: Any, *options: Any, doc: str = "") -> Param:
     allowed = (default, *options)
     return Param(default, lambda x: x in allowed, f"one of {allowed}", doc)
-
-
-def anything(default: Any, rule: str, check: Callable[[Any], bool], doc: str = "") -> Param:
-    return Param(default, check, rule, doc)
 
 
 @dataclass(frozen=True)
@@ -172,15 +170,13 @@ def ratio_bounds(name: str | Objective, q: Any = None, **hparams: Any):
     spec = objective.spec
     if spec.bounds is None:
         raise ValueError(f"objective {spec.name!r} has no ratio interval: {spec.summary}")
-    if q is not None and not spec.q_dependent:
-        raise ValueError(f"objective {spec.name!r} has constant bounds; q does not apply")
-    if q is not None:
-        check_probability(q)
-    if spec.q_dependent:
-        if q is None:
-            return (lambda x: spec.bounds(objective.hparams, x)[0], lambda x: spec.bounds(objective.hparams, x)[1])
-        return spec.bounds(objective.hparams, q)
-    return spec.bounds(objective.hparams)
+    if not spec.q_dependent:
+        if q is not None:
+            raise ValueError(f"objective {spec.name!r} has constant bounds; q does not apply")
+        return spec.bounds(objective.hparams)
+    if q is None:
+        return (lambda x: spec.bounds(objective.hparams, x)[0], lambda x: spec.bounds(objective.hparams, x)[1])
+    return spec.bounds(objective.hparams, check_probability(q))
 
 
 def list_objectives() -> list[dict[str, Any]]:

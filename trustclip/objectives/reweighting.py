@@ -3,11 +3,13 @@ clipped weights, flipped weights, and sequence-level ratios."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from trustclip.objectives.batch import PolicyBatch
-from trustclip.objectives.clipping import EPS_RULE, _interval_bounds
-from trustclip.objectives.constraints import kl_constraint
+from trustclip.objectives.clipping import EPS_RULE, _interval_bounds, clipped_surrogate
+from trustclip.objectives.constraints import Constraint, RatioInterval, kl_constraint
 from trustclip.objectives.registry import TokenLoss, choice, number, register_objective
 
 
@@ -54,12 +56,8 @@ def cispo(batch: PolicyBatch, *, epsilon_low: float | None, epsilon_high: float)
     low = 0.0 if epsilon_low is None else 1.0 - epsilon_low
     high = 1.0 + epsilon_high
     weight = w.clamp(min=low, max=high).detach()
-    return TokenLoss(
-        -weight * adv * batch.logp,
-        clipped_low=(w < low) & (adv < 0),
-        clipped_high=(w > high) & (adv > 0),
-        stats={"capped_frac": (w < low) | (w > high)},
-    )
+    return TokenLoss.outside(-weight * adv * batch.logp, adv, below=w < low, above=w > high,
+                             capped_frac=(w < low) | (w > high))
 
 
 def _entropy_split_epsilon(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, low_eps: float,
@@ -104,43 +102,30 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     pos, neg = adv > 0, adv < 0
     above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
     weight_pos = torch.where(above, 0.0, torch.where(tiny, c, 1 / w))
-    value_pos = adv / _at_most(w.clamp(min=1 / c), upper)
+    value_pos = adv / w.clamp(min=1 / c).clamp(max=upper)
     weight_neg = torch.where(below, 0.0, torch.where(huge, c, w))
-    value_neg = adv * _at_least(w, lower).clamp(max=c)
+    value_neg = adv * w.clamp(min=lower).clamp(max=c)
     loss = loss_with_weight(batch, torch.where(pos, value_pos, value_neg), torch.where(pos, weight_pos, weight_neg))
-    return TokenLoss(loss, clipped_low=neg & below, clipped_high=pos & above,
-                     stats={"soft_clip_frac": (pos & tiny) | (neg & huge)})
+    return TokenLoss.outside(loss, adv, below=below, above=above, soft_clip_frac=(pos & tiny) | (neg & huge))
 
 
-def _at_most(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
-    return torch.minimum(x, bound) if torch.is_tensor(bound) else x.clamp(max=bound)
-
-
-def _at_least(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
-    return torch.maximum(x, bound) if torch.is_tensor(bound) else x.clamp(min=bound)
-
-
-def sequence_clipped_surrogate(batch: PolicyBatch, low: float, high: float) -> TokenLoss:
-    """-min(s A, clip(s, low, high) A) per token with GSPO's sequence ratio s_i = exp((1/L_i) sum_t log w_t).
+def sequence_clipped_surrogate(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
+    """`clipped_surrogate` with GSPO's sequence ratio s_i = exp((1/L_i) sum_t log w_t) in the place of w: per token
+    -min(s A, clip(s, l, u) A), [l, u] the ratio interval of `constraint`.
 
     Built in verl's GSPO-token form s_it = sg(s_i) pi(y_t) / sg(pi(y_t)) (log clamped at 10): its value is s_i on
     every token of sequence i and d s_it / d logp_t = s_it. With a sequence advantage A_i and seq_mean_token_mean
     aggregation the loss is exactly -(1/B) sum_i J_i and its gradient is GSPO's, A_i s_i (1/L_i) sum_t grad logp_t,
-    zero for the whole sequence when s_i left [low, high] in the direction A_i favours. With per-token advantages
+    zero for the whole sequence when s_i left [l, u] in the direction A_i favours. With per-token advantages
     A_it (GSPO-token) the gate is still the sequence's ratio, the direction test each token's."""
-    mask, adv = batch.mask, batch.advantages
+    mask = batch.mask
     lengths = mask.sum(-1).clamp(min=1)
     seq_log_ratio = (batch.log_ratio * mask).sum(-1) / lengths
     token_log_ratio = (seq_log_ratio.detach().unsqueeze(-1) + batch.logp - batch.logp.detach()).clamp(max=10.0)
     s = token_log_ratio.exp()
-    loss = -torch.minimum(s * adv, s.clamp(low, high) * adv)
-    seq_ratio = s.detach()
-    return TokenLoss(
-        loss,
-        clipped_low=(s < low) & (adv < 0),
-        clipped_high=(s > high) & (adv > 0),
-        stats={"seq_ratio_mean": seq_ratio, "seq_kl3_mean": seq_ratio - 1 - token_log_ratio.detach()},
-    )
+    out = clipped_surrogate(replace(batch, log_ratio=token_log_ratio, ratio=s), constraint)
+    out.stats = {"seq_ratio_mean": s.detach(), "seq_kl3_mean": s.detach() - 1 - token_log_ratio.detach()}
+    return out
 
 
 @register_objective(
@@ -154,7 +139,7 @@ def gspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float) -> Toke
     """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t), in verl's
     GSPO-token form (`sequence_clipped_surrogate`), whose gradient with seq_mean_token_mean aggregation (the
     paper's) equals GSPO's."""
-    return sequence_clipped_surrogate(batch, 1 - epsilon_low, 1 + epsilon_high)
+    return sequence_clipped_surrogate(batch, RatioInterval(1 - epsilon_low, 1 + epsilon_high))
 
 
 # GSPO's published range [1 - 3e-4, 1 + 4e-4] has KL3 4.5e-8 at its lower and 8.0e-8 at its upper end; atr_seq's
@@ -179,5 +164,4 @@ def atr_seq(batch: PolicyBatch, *, delta: float) -> TokenLoss:
         d J_i / d logp_it = A_i s_i / L_i   if l <= s_i <= u or (s_i - 1) A_i <= 0,   else 0.
     For small delta l, u = 1 -+ sqrt(2 delta) + 2 delta / 3 + O(delta^1.5): at GSPO's scale the region is symmetric
     to 1e-7 (u - 1 - (1 - l) = 4 delta / 3), so ATR's asymmetry does not carry over at the default delta."""
-    low, high = kl_constraint("kl3", delta).bounds  # solved once per delta (memoised)
-    return sequence_clipped_surrogate(batch, low, high)
+    return sequence_clipped_surrogate(batch, kl_constraint("kl3", delta))

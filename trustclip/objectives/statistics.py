@@ -1,17 +1,13 @@
-"""The per-token statistics of a policy loss, defined once; each integration only chooses how to reduce them.
-
-`token_statistics` says what is measured on every token (clip fractions, how far the ratio moved, KL3, the
-objective's own statistics); `reduce_statistics` turns them into plain-float metrics: masked means over the valid
-tokens, the ratio's extremes, scalars as they are. Reduced on one process it is `policy_metrics` (and the verl
-plugin's metrics; `compute_policy_loss` returns them as `PolicyMetrics`, reduced when first read); the TRL trainer
-passes its all-reduce (sums) and all-gather (extremes) to get the same means over every process. All values leave
-the device in one transfer.
+"""The per-token statistics of a policy loss, defined once (`token_statistics`); each integration only chooses how
+to reduce them (`reduce_statistics`): on one process (`policy_metrics`, the verl plugin), or over every process with
+the TRL trainer's all-reduce and all-gather. All values leave the device in one transfer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -105,29 +101,28 @@ class PolicyMetrics(Mapping[str, float]):
     floats (`dict(metrics)` for a dict). It keeps detached tensors only, never the autograd graph."""
 
     def __init__(self, out: TokenLoss, batch: PolicyBatch) -> None:
-        self._inputs: tuple[TokenLoss, PolicyBatch] | None = (
+        self._inputs = (
             TokenLoss(out.loss.detach(), out.clipped_low, out.clipped_high,
                       {key: value.detach() for key, value in out.stats.items()}),
             PolicyBatch(batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask, batch.log_ratio.detach(),
                         batch.ratio.detach()),
         )
-        self._values: dict[str, float] | None = None
 
-    def _reduced(self) -> dict[str, float]:
-        if self._values is None:
-            out, batch = self._inputs
-            self._values = reduce_statistics(token_statistics(out, batch), batch.mask)[0]
-            self._inputs = None  # the tensors are no longer needed
-        return self._values
+    @cached_property
+    def _values(self) -> dict[str, float]:
+        out, batch = self._inputs
+        values = reduce_statistics(token_statistics(out, batch), batch.mask)[0]
+        self._inputs = None  # the tensors are no longer needed
+        return values
 
     def __getitem__(self, key: str) -> float:
-        return self._reduced()[key]
+        return self._values[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._reduced())
+        return iter(self._values)
 
     def __len__(self) -> int:
-        return len(self._reduced())
+        return len(self._values)
 
     def __repr__(self) -> str:
-        return f"PolicyMetrics({self._reduced()!r})"
+        return f"PolicyMetrics({self._values!r})"
