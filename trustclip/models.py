@@ -108,8 +108,7 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int 
                      num_kv_heads: int = TinyModelConfig.num_kv_heads, head_dim: int = TinyModelConfig.head_dim,
                      intermediate_size: int = TinyModelConfig.intermediate_size,
                      max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
-                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None,
-                     overwrite: bool = False) -> Path:
+                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None) -> Path:
     """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
 
     With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>`; an existing build is reused
@@ -120,20 +119,18 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int 
                           max_position_embeddings=max_position_embeddings, seed=seed)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
-    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)
+    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out))
 
 
-def _build_atomically(path: Path, save: Callable[[Path], None], *, overwrite: bool = False) -> Path:
+def _build_atomically(path: Path, save: Callable[[Path], None]) -> Path:
     """`save(tmp)` into a temp dir beside `path`, then rename it to `path` (reused when already complete), so
     concurrent processes never see a half-written checkpoint."""
-    if _is_complete_checkpoint(path) and not overwrite:
+    if _is_complete_checkpoint(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         save(tmp)
-        if overwrite and path.exists():
-            shutil.rmtree(path)
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race and wrote an equivalent build
@@ -179,17 +176,15 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
 
-def build_gguf_model(
-    name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None, overwrite: bool = False
-) -> Path:
+def build_gguf_model(name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None) -> Path:
     """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
     (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
     path = gguf_cache_path(name, cache_dir)
-    if overwrite or not _is_complete_checkpoint(path):
+    if not _is_complete_checkpoint(path):
         check_gguf_converter(name)  # converted once: a cached checkpoint loads without the gguf package
-    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out), overwrite=overwrite)
+    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out))
 
 
 def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -41,8 +41,8 @@ class RewardStats:
     timeouts: int = 0
     errors: int = 0
 
-    def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+    def as_metrics(self) -> dict[str, float]:
+        return {f"reward/{k}": float(v) for k, v in asdict(self).items()}
 
 
 def _latex_arg(s: str) -> str:
