@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -199,8 +200,6 @@ def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike
 
 def check_gguf_converter(name: str) -> None:
     """Converting a built-in GGUF model needs the `gguf` package: FileNotFoundError naming the install command."""
-    import importlib.util
-
     if importlib.util.find_spec("gguf") is None:
         raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
                                 f"installed: `{GGUF_MODELS[name].install_command}`")
