@@ -167,10 +167,10 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
     return kept
 
 
-def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
-    """Parse CLI benchmark specs (`parse_benchmark_spec`) into `{name: rows}`. `kwargs` go to `load_prompts`;
-    its `limit` applies after the row selection."""
-    limit = kwargs.pop("limit", None)
+def load_benchmark_specs(specs: Sequence[str], *, limit: int | None = None,
+                         **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
+    """Parse CLI benchmark specs (`parse_benchmark_spec`) into `{name: rows}`, the first `limit` rows of each after
+    the row selection. `kwargs` go to `load_prompts`."""
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         for bench in parse_benchmark_spec(spec):
