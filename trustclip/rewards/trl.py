@@ -42,13 +42,10 @@ class CorrectnessReward:
             raise KeyError(f"reward needs the dataset column {self.answer_key!r}; got columns {sorted(columns)}")
         texts = [completion_text(c) for c in completions]
         return score_completions(texts, columns[self.answer_key], timeout=self.timeout, fallback=self.fallback,
-                                 verifier=self._verifier())
-
-    def _verifier(self) -> MathVerifier:
-        return self.verifier or default_verifier()
+                                 verifier=self.verifier)
 
     def metrics(self) -> dict[str, float]:
-        return self._verifier().stats.as_metrics()
+        return (self.verifier or default_verifier()).stats.as_metrics()
 
 
 def format_reward(completions: Sequence[Any], **columns: Any) -> list[float]:

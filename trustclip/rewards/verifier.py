@@ -15,14 +15,13 @@ import json
 import math
 import os
 import queue
-import selectors
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from trustclip.rewards.answers import extract_answer, fast_verdict
@@ -42,8 +41,8 @@ class RewardStats:
     timeouts: int = 0
     errors: int = 0
 
-    def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        return {f"{prefix}{k}": float(v) for k, v in asdict(self).items()}
+    def as_metrics(self) -> dict[str, float]:
+        return {f"reward/{k}": float(v) for k, v in asdict(self).items()}
 
 
 def _latex_arg(s: str) -> str:
@@ -106,9 +105,6 @@ class _Worker:
             [sys.executable, "-c", "from trustclip.rewards.verifier import _worker_main; _worker_main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True,
         )
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
-        self._buffer = b""
         try:
             reply = self._receive(startup_timeout)
         except EOFError:
@@ -141,16 +137,14 @@ class _Worker:
         return bool(reply["ok"]) if "ok" in reply else "error"
 
     def _receive(self, timeout: float) -> dict | None:
-        """The next reply, None when `timeout` seconds pass first; EOFError when the process exits."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            if not self._selector.select(max(0.0, deadline - time.monotonic())):
-                return None
-            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                raise EOFError
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
+        """The next reply, None when `timeout` seconds pass first; EOFError when the process exits. At most one
+        reply is ever pending, written in one short line, so a buffered readline once the pipe is readable neither
+        blocks nor swallows a later reply."""
+        if not wait([self.proc.stdout], timeout):
+            return None
+        line = self.proc.stdout.readline()
+        if not line.endswith(b"\n"):  # the process exited
+            raise EOFError
         return json.loads(line)
 
     def kill(self) -> None:
@@ -158,7 +152,6 @@ class _Worker:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        self._selector.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
                 stream.close()
