@@ -131,13 +131,12 @@ def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[
 
 
 def run(args: argparse.Namespace) -> int:
-    from trustclip.data.loaders import DataFormatError
     from trustclip.train.data import load_benchmarks
 
     try:
         run_dir, models, config, eval_config, notes = _prepare(args)
         benchmarks = load_benchmarks(config)
-    except (ValueError, FileNotFoundError, DataFormatError) as err:
+    except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
     from trustclip.evaluation.evaluator import evaluate_checkpoints
@@ -191,6 +190,5 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     check_device(args.device)
     if args.output is not None:
         check_writable_dir(args.output, "--output ")
-    settings = eval_config(config)
-    settings = dataclasses.replace(settings, top_k=args.top_k, show_progress=not args.no_progress)
+    settings = dataclasses.replace(eval_config(config), top_k=args.top_k, show_progress=not args.no_progress)
     return run_dir, models, config, settings, notes
