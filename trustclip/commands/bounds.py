@@ -27,8 +27,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.plot:
             check_figure_path(args.plot)
+        params = get_objective(args.objective).spec.params
         given = {k: v for k, v in {"delta": args.delta, "epsilon": args.epsilon}.items() if v is not None}
-        unused = [k for k in given if k not in get_objective(args.objective).spec.params]
+        unused = [k for k in given if k not in params]
         if unused:
             raise ValueError(f"objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
         objective = get_objective(args.objective, **given)

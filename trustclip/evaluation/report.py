@@ -58,12 +58,14 @@ def write_report(results: Sequence[EvalResult], output_dir: str | Path,
             for bench, ms in metrics.items():
                 writer.writerow([label, idx, bench, cfg.k, cfg.n, ms[f"mean@{cfg.k}"], ms[f"pass@{cfg.k}"]])
     header = [
-        "# Evaluation\n",
+        "# Evaluation",
+        "",
         *[f"- checkpoint {i}: `{r.model}` ({r.backend}, {r.elapsed_s:.1f} s)" for i, r in enumerate(results)],
         f"- K = {cfg.k}, samples per problem = {cfg.n}, temperature = {cfg.temperature}, "
         f"top-p = {cfg.top_p}, max new tokens = {cfg.max_new_tokens}, seed = {cfg.seed}",
         *(["- cells are final (best) over the checkpoints"] if len(results) > 1 else []),
-        "\n",
+        "",
+        "",
     ]
     paths["md"].write_text("\n".join(header) + format_table(results) + "\n", encoding="utf-8")
     with paths["samples"].open("w", encoding="utf-8") as fh:
