@@ -12,12 +12,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_OBJECTIVES = "trustclip.objectives"
 _LAZY = {
-    **{name: _OBJECTIVES for name in (
-        "Constraint", "DeltaController", "DivergenceConstraint", "RatioInterval", "aggregate", "compute_advantages",
-        "compute_policy_loss", "compute_token_loss", "custom_divergence", "get_objective", "list_objectives",
-        "ratio_bounds", "register_objective")},
+    **dict.fromkeys(("Constraint", "DeltaController", "DivergenceConstraint", "RatioInterval", "aggregate",
+                     "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence",
+                     "get_objective", "list_objectives", "ratio_bounds", "register_objective"), "trustclip.objectives"),
     "verify_answer": "trustclip.rewards",
     "pass_at_k": "trustclip.evaluation.metrics",
 }

@@ -21,25 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also draw every divergence vs w with its interval, and dcpo/trgppo bounds vs q")
 
 
-def _hparams(args: argparse.Namespace) -> dict:
-    from trustclip.objectives import get_objective
-
-    params = get_objective(args.objective).spec.params
-    given = {"delta": args.delta, "epsilon": args.epsilon}
-    unused = [k for k, v in given.items() if v is not None and k not in params]
-    if unused:
-        raise ValueError(f"objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def run(args: argparse.Namespace) -> int:
     from trustclip.objectives import get_objective, ratio_bounds
 
     try:
         if args.plot:
             check_figure_path(args.plot)
-        hparams = _hparams(args)
-        objective = get_objective(args.objective, **hparams)
+        params = get_objective(args.objective).spec.params
+        given = {k: v for k, v in {"delta": args.delta, "epsilon": args.epsilon}.items() if v is not None}
+        unused = [k for k in given if k not in params]
+        if unused:
+            raise ValueError(f"objective {args.objective!r} has no hyper-parameter {unused[0]!r}")
+        objective = get_objective(args.objective, **given)
         if objective.spec.q_dependent:
             qs = args.q or [0.9, 0.5, 0.1, 0.01]
             rows = [{"q": q, "low": lo, "high": hi} for q in qs for lo, hi in [ratio_bounds(objective, q=q)]]

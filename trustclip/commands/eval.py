@@ -22,28 +22,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import typing
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-# flag -> (option of `trustclip train` it sets, type). The defaults (and help) are those options' declarations.
-SETTINGS = {
-    "--k": ("eval.k", int),
-    "--n-samples": ("eval.n_samples", int),
-    "--temperature": ("eval.temperature", float),
-    "--top-p": ("eval.top_p", float),
-    "--max-new-tokens": ("eval.max_new_tokens", int),
-    "--batch-size": ("eval.batch_size", int),
-    "--seed": ("eval.seed", int),
-    "--backend": ("eval.backend", str),
-    "--data-seed": ("data.seed", int),
-    "--prompt-style": ("data.prompt_style", str),
-    "--problem-key": ("data.problem_key", str),
-    "--answer-key": ("data.answer_key", str),
-    "--limit": ("data.eval_limit", int),
-    "--reward-timeout": ("rl.reward_timeout", float),
-    "--answer-fallback": ("data.answer_fallback", bool),
-    "--bf16": ("bf16", bool),
-}
+from trustclip.evaluation.config import EvalArgs
+
+# The options of `trustclip train` that flags here set; those declarations give each flag its type, default and help.
+OPTIONS = [*(f"eval.{f.name}" for f in fields(EvalArgs)), "data.seed", "data.prompt_style", "data.problem_key",
+           "data.answer_key", "data.eval_limit", "rl.reward_timeout", "data.answer_fallback", "bf16"]
+FLAGS = {"data.seed": "--data-seed", "data.eval_limit": "--limit"}  # any other option's flag: --LAST-PART
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--benchmark", action="append", metavar="NAME=FILE",
                         help="benchmark as NAME=FILE (.jsonl/.json/.parquet or a hub id), a bare FILE, or 'builtin' "
                              "(data.eval; default: the run's, else ['builtin'])")
-    for flag, (key, kind) in SETTINGS.items():
+    for key in OPTIONS:
+        flag, kind = FLAGS.get(key, "--" + key.rpartition(".")[2].replace("_", "-")), _declared_type(key)
         default, text = declared[key]
         text = f"{text} ({key}; default: the run's, else {default})"
         if kind is bool:
@@ -75,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=None, help="output directory (default outputs/eval-<time>)")
     parser.add_argument("--device", default=None, help="torch device for HF generation (default cuda if present)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _declared_type(key: str) -> type:
+    """The type the option `key` declares (`int` for `int | None`): what argparse converts the flag's text to."""
+    from trustclip.train.config import TrainConfig
+
+    hint: Any = TrainConfig
+    for part in key.split("."):
+        hint = typing.get_type_hints(hint)[part]
+    return next((t for t in typing.get_args(hint) if t is not type(None)), hint)
 
 
 def find_run(path: str | Path) -> Path | None:
@@ -117,40 +117,33 @@ def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[
     from trustclip.train.config import TrainConfig, from_dict, get_dotted, read_run_config, set_dotted
 
     base = read_run_config(run / "config.yaml", "--run") if run is not None else {}
-    data = from_dict(TrainConfig, base).to_dict()
-    given = {key: getattr(args, key) for key, _ in SETTINGS.values() if getattr(args, key) is not None}
+    given = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
     if args.benchmark:
         given["data.eval"] = list(args.benchmark)
+    data = from_dict(TrainConfig, base).to_dict()
     for key, value in given.items():
         set_dotted(data, key, value)
     config = from_dict(TrainConfig, data)
-    notes = []
-    if run is not None:
-        old = from_dict(TrainConfig, base).to_dict()
-        notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
-                 if get_dotted(config.to_dict(), key) != get_dotted(old, key)]
+    old, now = from_dict(TrainConfig, base).to_dict(), config.to_dict()
+    notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
+             if run is not None and get_dotted(now, key) != get_dotted(old, key)]
     return config, notes
 
 
 def run(args: argparse.Namespace) -> int:
-    from trustclip.data.loaders import DataFormatError
+    from trustclip.train.data import load_benchmarks
 
     try:
         run_dir, models, config, eval_config, notes = _prepare(args)
-    except (ValueError, FileNotFoundError, DataFormatError) as err:
+        benchmarks = load_benchmarks(config)
+    except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
     from trustclip.evaluation.evaluator import evaluate_checkpoints
     from trustclip.evaluation.report import format_table, write_report
     from trustclip.rewards import default_verifier
-    from trustclip.train.data import load_benchmarks
     from trustclip.train.stages import model_dtype
 
-    try:
-        benchmarks = load_benchmarks(config)
-    except (ValueError, FileNotFoundError, DataFormatError) as err:
-        print(f"trustclip eval: error: {err}", file=sys.stderr)
-        return 2
     if run_dir is not None:
         print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
@@ -197,6 +190,5 @@ def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any
     check_device(args.device)
     if args.output is not None:
         check_writable_dir(args.output, "--output ")
-    settings = eval_config(config)
-    settings = dataclasses.replace(settings, top_k=args.top_k, show_progress=not args.no_progress)
+    settings = dataclasses.replace(eval_config(config), top_k=args.top_k, show_progress=not args.no_progress)
     return run_dir, models, config, settings, notes

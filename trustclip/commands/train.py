@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_pipeline(config)
-    except (ValueError, FileNotFoundError, OSError) as err:
+    except (ValueError, OSError) as err:  # OSError: FileNotFoundError too
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 1
     return 0

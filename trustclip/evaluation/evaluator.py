@@ -1,17 +1,12 @@
 """Mean@K / Pass@K evaluation of causal LMs on math benchmarks (the paper's Table 2 protocol).
 
-- `evaluate(model, tokenizer, benchmarks, config)`: a model already in memory (periodic eval inside a
-  trainer). Generation is batched Hugging Face `generate` (`trustclip.evaluation.generation`).
-- `evaluate_checkpoints(paths, benchmarks, config)`: one or more checkpoints of a run, loaded in turn;
-  vLLM is used when it is installed, a GPU is present and `backend` allows it.
-- reports: `trustclip.evaluation.report`.
-
 Every problem gets `n_samples` (default K) samples; the unbiased estimator turns them into Pass@k and
 Mean@k for k = 1..n (the paper's Figure 4 curves). The sampling seed is recorded in the results.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from collections.abc import Sequence
@@ -132,7 +127,8 @@ def _average(per_benchmark: Sequence[dict[str, float]]) -> dict[str, float]:
 def evaluate_checkpoints(models: Sequence[str], benchmarks: dict[str, Sequence[dict[str, Any]]],
                          config: EvalConfig | None = None, *, device: str | None = None,
                          dtype: Any = None) -> list[EvalResult]:
-    """Evaluate checkpoints (paths or hub ids) in order; the last one is the run's "final" model."""
+    """Evaluate checkpoints (paths or hub ids) in order; the last one is the run's "final" model. vLLM samples when
+    it is installed, a GPU is present and `config.backend` allows it; else each model is loaded for HF `generate`."""
     from trustclip.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name
 
     config = config or EvalConfig()
@@ -142,10 +138,7 @@ def evaluate_checkpoints(models: Sequence[str], benchmarks: dict[str, Sequence[d
     for path in models:
         if use_vllm:
             resolved = resolve_model_name(path)
-
-            def gen(prompts: Sequence[str], resolved: str = resolved) -> list[list[str]]:
-                return generate_vllm(resolved, prompts, config)
-
+            gen = functools.partial(generate_vllm, resolved, config=config)
             result = evaluate(None, load_tokenizer(resolved), benchmarks, config, model_name=str(path), generate_fn=gen)
             result.backend = "vllm"
         else:

@@ -97,11 +97,9 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
 
 def vllm_available() -> bool:
     """True when vLLM is installed and a CUDA GPU is present."""
-    if importlib.util.find_spec("vllm") is None:
-        return False
     import torch
 
-    return torch.cuda.is_available()
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 
 
 def check_backend(backend: str) -> None:

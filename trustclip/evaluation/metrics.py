@@ -43,8 +43,12 @@ def mean_at_k(n: int, c: int, k: int) -> float:
     return c / n
 
 
-def _counts(correct: Sequence[Sequence[float | bool]]) -> list[tuple[int, int]]:
-    counts = []
+def benchmark_metrics(correct: Sequence[Sequence[float | bool]], ks: Iterable[int]) -> dict[str, float]:
+    """Mean@k and Pass@k (as fractions in [0, 1]) averaged over problems, for each k in `ks`.
+
+    `correct[i][j]` is the 0/1 score of sample j of problem i. Returns `{"mean@k": ..., "pass@k": ...}`.
+    """
+    counts = []  # (n, c) per problem
     for i, row in enumerate(correct):
         if len(row) == 0:
             raise ValueError(f"problem {i} has no samples")
@@ -52,15 +56,6 @@ def _counts(correct: Sequence[Sequence[float | bool]]) -> list[tuple[int, int]]:
         if bad:
             raise ValueError(f"problem {i}: scores must be 0/1 (or bools), got {bad[0]!r}")
         counts.append((len(row), int(sum(float(x) for x in row))))
-    return counts
-
-
-def benchmark_metrics(correct: Sequence[Sequence[float | bool]], ks: Iterable[int]) -> dict[str, float]:
-    """Mean@k and Pass@k (as fractions in [0, 1]) averaged over problems, for each k in `ks`.
-
-    `correct[i][j]` is the 0/1 score of sample j of problem i. Returns `{"mean@k": ..., "pass@k": ...}`.
-    """
-    counts = _counts(correct)
     if not counts:
         raise ValueError("no problems to score")
     out: dict[str, float] = {}
@@ -72,10 +67,7 @@ def benchmark_metrics(correct: Sequence[Sequence[float | bool]], ks: Iterable[in
 
 def metric_curves(correct: Sequence[Sequence[float | bool]]) -> dict[str, list[float]]:
     """Mean@k and Pass@k for k = 1..n (n = fewest samples any problem has), from one set of samples."""
-    counts = _counts(correct)
-    if not counts:
-        raise ValueError("no problems to score")
-    ks = list(range(1, min(n for n, _ in counts) + 1))
+    ks = list(range(1, min(map(len, correct), default=1) + 1))  # benchmark_metrics checks `correct`
     scores = benchmark_metrics(correct, ks)
     return {
         "k": [float(k) for k in ks],

@@ -37,9 +37,8 @@ def format_table(results: Sequence[EvalResult]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    results: Sequence[EvalResult], output_dir: str | Path, meta: dict[str, Any] | None = None
-) -> dict[str, Path]:
+def write_report(results: Sequence[EvalResult], output_dir: str | Path,
+                 meta: dict[str, Any] | None = None) -> dict[str, Path]:
     """Write `results.json`, `results.csv`, `results.md` and `samples.jsonl`; returns their paths.
 
     `meta` (e.g. benchmark sources, the data seed) is stored as is in `results.json`."""
@@ -47,8 +46,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     final, best = final_and_best(results)
     cfg = results[-1].config
-    paths = {name: out / f"results.{name}" for name in ("json", "csv", "md")}
-    paths["samples"] = out / "samples.jsonl"
+    paths = {**{name: out / f"results.{name}" for name in ("json", "csv", "md")}, "samples": out / "samples.jsonl"}
     payload = {"config": asdict(cfg), "seed": cfg.seed, "meta": meta or {},
                "checkpoints": [r.to_dict() for r in results], "final": final, "best": best}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
