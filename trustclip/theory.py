@@ -122,11 +122,6 @@ class TabularProblem:
         return self.probs / self.old_probs
 
 
-def _as_problem(logits, old_probs, advantages, state_dist) -> TabularProblem:
-    arrays = (np.asarray(x, dtype=np.float64) for x in (logits, old_probs, advantages, state_dist))
-    return TabularProblem(*arrays)
-
-
 def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: int = 4, num_actions: int = 6,
                    margin: float = 0.05) -> TabularProblem:
     """Random pi_old, A ~ N(0, 1), d ~ Dirichlet, and pi_k built from target ratios w(s, a).
@@ -140,18 +135,15 @@ def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: 
         raise ValueError(f"need num_states >= 1 and num_actions >= 3, got {num_states}, {num_actions}")
     if not 0 < margin < 0.5:
         raise ValueError(f"margin must be in (0, 0.5), got {margin}")
-    rows = [_random_state(setting, rng, num_actions, margin) for _ in range(num_states)]
-    old = np.stack([r[0] for r in rows])
-    new = np.stack([r[1] for r in rows])
+    states = [_random_state(setting, rng, num_actions, margin) for _ in range(num_states)]
+    old, new = map(np.stack, zip(*states, strict=True))
     adv = rng.standard_normal((num_states, num_actions))
-    dist = rng.dirichlet(np.full(num_states, 4.0))
-    return _as_problem(np.log(new), old, adv, dist)
+    return TabularProblem(np.log(new), old, adv, rng.dirichlet(np.full(num_states, 4.0)))
 
 
 def _regions(setting: EventSetting, margin: float) -> dict[str, tuple[float, float]]:
     """Ratio intervals (shrunk by `margin`) where: only one method clips, neither clips, both clip."""
-    lo_in, hi_in = max(setting.atr[0], setting.ratio[0]), min(setting.atr[1], setting.ratio[1])
-    lo_out, hi_out = min(setting.atr[0], setting.ratio[0]), max(setting.atr[1], setting.ratio[1])
+    lo_out, lo_in, hi_in, hi_out = sorted((*setting.atr, *setting.ratio))  # the two ranges overlap
     regions = {"event": setting.interval, "inside": (lo_in, hi_in), "above": (hi_out, 1.6 * hi_out)}
     if lo_out > 0.05:
         regions["below"] = (0.3 * lo_out, lo_out)
@@ -194,7 +186,7 @@ def counterexample_problem(delta: float = 0.07) -> tuple[TabularProblem, EventSe
     rest = [0, 2, 3]
     old[rest] = new[rest] * (1.0 - old[1]) / new[rest].sum()  # one common ratio > u: both methods clip
     adv = np.array([0.5, 1.0, -0.7, 0.2])
-    return _as_problem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
+    return TabularProblem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
 
 
 def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float],
@@ -203,9 +195,8 @@ def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[f
     or f = min(w A, clip(w, lo, hi) A) (PPO/GRPO min form, `form="ppo"`)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    old = torch.as_tensor(problem.old_probs, dtype=logits.dtype)
-    adv = torch.as_tensor(problem.advantages, dtype=logits.dtype)
-    dist = torch.as_tensor(problem.state_dist, dtype=logits.dtype)
+    old, adv, dist = (torch.as_tensor(x, dtype=logits.dtype)
+                      for x in (problem.old_probs, problem.advantages, problem.state_dist))
     w = torch.softmax(logits, dim=-1) / old
     clipped = torch.clamp(w, clip_range[0], clip_range[1]) * adv
     per_token = clipped if form == "clip" else torch.minimum(w * adv, clipped)
@@ -220,11 +211,10 @@ def surrogate_gradient(problem: TabularProblem, clip_range: tuple[float, float],
         raise ValueError(f"step must be one of {STEPS}, got {step!r}")
     theta = torch.tensor(problem.logits, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(surrogate(theta, problem, clip_range, form), theta)
-    grad = grad.numpy()
-    if step == "natural":
-        fishers = [np.diag(p) - np.outer(p, p) for p in problem.probs]
-        grad = np.stack([np.linalg.pinv(f) @ g for f, g in zip(fishers, grad, strict=True)])
-    return grad
+    if step == "vanilla":
+        return grad.numpy()
+    fishers = [np.diag(p) - np.outer(p, p) for p in problem.probs]
+    return np.stack([np.linalg.pinv(f) @ g for f, g in zip(fishers, grad.numpy(), strict=True)])
 
 
 def entropy(logits: np.ndarray) -> np.ndarray:
@@ -237,11 +227,9 @@ def exact_differences(problem: TabularProblem, setting: EventSetting, etas, form
                       step: str = "vanilla") -> tuple[np.ndarray, np.ndarray]:
     """theta^ATR - theta^ratio (len(etas), S, n) and H(theta^ATR) - H(theta^ratio) (len(etas), S)
     after one step from theta^k with each clip range."""
-    g_atr = surrogate_gradient(problem, setting.atr, form, step)
-    g_ratio = surrogate_gradient(problem, setting.ratio, form, step)
-    etas = np.asarray(etas, dtype=np.float64).reshape(-1)
-    theta_atr = problem.logits + etas[:, None, None] * g_atr
-    theta_ratio = problem.logits + etas[:, None, None] * g_ratio
+    etas = np.asarray(etas, dtype=np.float64).reshape(-1, 1, 1)
+    theta_atr, theta_ratio = (problem.logits + etas * surrogate_gradient(problem, clip_range, form, step)
+                              for clip_range in (setting.atr, setting.ratio))
     return theta_atr - theta_ratio, entropy(theta_atr) - entropy(theta_ratio)
 
 
@@ -278,14 +266,9 @@ def predicted_logit_difference(problem: TabularProblem, setting: EventSetting, e
 
 def predicted_entropy_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
                                  step: str = "vanilla", formula: str = "first_order") -> np.ndarray:
-    """Theorem 5.2, per state.
-
-    "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from Theorem 5.1 (eq. 28 + 29);
-        for the vanilla step this is +eta d(s) C (X-) or -eta d(s) C (X+) with
-        C = Cov_{pi_k}(pi_k(a) [v(a) - E_{pi_k} v], log pi_k(a)).
-    "paper": the printed statement, +eta d Cov_{pi_k}(v, log pi_k) for X-, -eta d Cov(...) for X+
-        (first-order correct only for the natural step; see the module docstring).
-    """
+    """Theorem 5.2, per state. "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from
+    Theorem 5.1 (eq. 28 + 29). "paper": as printed, +/- eta d(s) Cov_{pi_k}(v, log pi_k) for X- / X+ (first
+    order only for the natural step; see the module docstring)."""
     p = problem.probs
     log_p = np.log(p)
     if formula == "first_order":
@@ -374,11 +357,10 @@ def entropy_samples(delta: float = 0.07, eta: float = 0.01, seeds: int = 8, num_
                     form: str = "clip", step: str = "vanilla") -> dict[str, dict[str, np.ndarray]]:
     """Delta H per (seed, state) at one eta: {event: {"exact", "first_order", "paper"}} (scatter plots)."""
     _check_etas([eta])
-    samples = {}
-    for event in EVENTS:
-        data = _collect(event_setting(event, delta), [eta], seeds, num_states, num_actions, form, step)
-        samples[event] = {"exact": data["dh"][0], "first_order": data["first_order"][0], "paper": data["paper"][0]}
-    return samples
+    data = {event: _collect(event_setting(event, delta), [eta], seeds, num_states, num_actions, form, step)
+            for event in EVENTS}
+    return {event: {"exact": d["dh"][0], "first_order": d["first_order"][0], "paper": d["paper"][0]}
+            for event, d in data.items()}
 
 
 def fit_slope(etas, errors) -> float:
@@ -391,12 +373,9 @@ def fit_slope(etas, errors) -> float:
 
 def fit_slopes(rows: list[TheoryRow]) -> dict[str, dict[str, float]]:
     """{event: {"first_order": slope, "paper": slope}} of the max entropy error against eta."""
-    slopes = {}
-    for event in EVENTS:
-        mine = [r for r in rows if r.event == event]
-        slopes[event] = {f: fit_slope([r.eta for r in mine], [getattr(r, f"{f}_error") for r in mine])
-                         for f in ("first_order", "paper")}
-    return slopes
+    by_event = {event: [r for r in rows if r.event == event] for event in EVENTS}
+    return {event: {f: fit_slope([r.eta for r in mine], [getattr(r, f"{f}_error") for r in mine])
+                    for f in ("first_order", "paper")} for event, mine in by_event.items()}
 
 
 def format_table(rows: list[TheoryRow]) -> str:
