@@ -1,6 +1,5 @@
-"""`trustclip theory`: rerunnable check of Theorems 5.1 and 5.2 of the ATR paper (arXiv 2602.05494) on a
-tabular softmax policy: one exact policy-gradient step under ratio clipping and under ATR clipping, for
-random policies, advantages and ratios in the events X- and X+. See `trustclip.theory` for the maths."""
+"""`trustclip theory`: the check of Theorems 5.1 and 5.2 of the ATR paper (arXiv 2602.05494) on a tabular
+softmax policy; the maths is in `trustclip.theory`."""
 
 from __future__ import annotations
 
@@ -39,22 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
-def _settings_text(delta: float) -> str:
-    lines = []
-    for event in theory.EVENTS:
-        s = theory.event_setting(event, delta)
-        who = "ATR clips, ratio clipping does not" if event == "X-" else "ratio clipping clips, ATR does not"
-        lines.append(
-            f"  {event}: ATR [{s.atr[0]:.4f}, {s.atr[1]:.4f}] vs clip eps={s.epsilon:.4f} "
+def _setting_text(s: theory.EventSetting) -> str:
+    who = "ATR clips, ratio clipping does not" if s.event == "X-" else "ratio clipping clips, ATR does not"
+    return (f"  {s.event}: ATR [{s.atr[0]:.4f}, {s.atr[1]:.4f}] vs clip eps={s.epsilon:.4f} "
             f"[{s.ratio[0]:.4f}, {s.ratio[1]:.4f}]; "
-            f"{event} = w in [{s.interval[0]:.4f}, {s.interval[1]:.4f}] ({who})"
-        )
-    return "\n".join(lines)
-
-
-def _slopes_text(slopes: dict[str, dict[str, float]]) -> str:
-    parts = [f"{e}: first-order {s['first_order']:.2f}, printed {s['paper']:.2f}" for e, s in slopes.items()]
-    return "fitted slope of log(max |dH error|) vs log(eta) -- " + " | ".join(parts)
+            f"{s.event} = w in [{s.interval[0]:.4f}, {s.interval[1]:.4f}] ({who})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,8 +51,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.plot:
             check_figure_path(args.plot)
-        for event in theory.EVENTS:
-            theory.event_setting(event, args.delta)
+        settings = {event: theory.event_setting(event, args.delta) for event in theory.EVENTS}
         with warnings.catch_warnings(record=True) as caught:  # shown below only if the table can be built
             warnings.simplefilter("always")
             rows = theory.theorem_table(etas=args.etas, **kwargs)
@@ -75,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"trustclip theory: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:  # no random state has actions in the event's ratio region at this delta
-        low, high = theory.event_setting("X-", args.delta).atr
+        low, high = settings["X-"].atr
         print(f"trustclip theory: error: --delta {args.delta:g}: {err} (ATR region [{low:.3g}, {high:.3g}]: the "
               "events X- / X+ need ratios the softmax states cannot reach; use a trust-region delta such as 0.07)",
               file=sys.stderr)
@@ -86,19 +73,16 @@ def run(args: argparse.Namespace) -> int:
         eta = min(args.etas)
         plot_theory_check(args.plot, rows, theory.entropy_samples(eta=eta, **kwargs), eta=eta)
     if args.json:
-        settings = {e: asdict(theory.event_setting(e, args.delta)) for e in theory.EVENTS}
-        print(json.dumps({"config": kwargs, "settings": settings, "rows": [asdict(r) for r in rows],
-                          "slopes": slopes, "plot": args.plot}, indent=2))
+        print(json.dumps({"config": kwargs, "settings": {e: asdict(s) for e, s in settings.items()},
+                          "rows": [asdict(r) for r in rows], "slopes": slopes, "plot": args.plot}, indent=2))
         return 0
     print(f"Theorems 5.1/5.2 of arXiv 2602.05494: one exact PG step (autograd, surrogate '{args.form}', "
           f"{args.step} step)\non {args.seeds} seeds x {args.states} states x {args.actions} actions "
           f"per event; delta = {args.delta:g}")
-    print(_settings_text(args.delta))
-    print()
-    print(theory.format_table(rows))
-    print()
+    print(*map(_setting_text, settings.values()), "", theory.format_table(rows), "", sep="\n")
     if slopes:
-        print(_slopes_text(slopes))
+        parts = [f"{e}: first-order {s['first_order']:.2f}, printed {s['paper']:.2f}" for e, s in slopes.items()]
+        print("fitted slope of log(max |dH error|) vs log(eta) -- " + " | ".join(parts))
     print(NOTES)
     if args.plot:
         print(f"figure written to {args.plot}")
