@@ -109,9 +109,8 @@ def _w_range(regions: dict[str, tuple[float, float]], epsilon: float) -> tuple[f
     return max(0.8 * min(lows), 0.02), 1.15 * max(highs)
 
 
-def draw_divergence_curve(
-    ax, name: str, delta: float, epsilon: float, region: tuple[float, float], w_range: tuple[float, float]
-) -> None:
+def draw_divergence_curve(ax, name: str, delta: float, epsilon: float, region: tuple[float, float],
+                          w_range: tuple[float, float]) -> None:
     """D(w) with the line D = delta, the shaded feasible interval [l, u] (artist gid "<name>-region"), its
     endpoints (gid "<name>-endpoints", finite ones only) and the clip range 1 -/+ eps (gid "clip-range")."""
     label, fn, _ = DIVERGENCES[name]
@@ -128,8 +127,7 @@ def draw_divergence_curve(
         right = x > 1
         ax.annotate(f"{x:.3f}", (x, delta), textcoords="offset points", xytext=(5 if right else -5, -11),
                     ha="left" if right else "right", fontsize=8)
-    clip = [1 - epsilon, 1 + epsilon]
-    ax.vlines(clip, -delta, 4 * delta, colors=color_for("clip"), ls=":", lw=1.2, gid="clip-range",
+    ax.vlines([1 - epsilon, 1 + epsilon], -delta, 4 * delta, colors=color_for("clip"), ls=":", lw=1.2, gid="clip-range",
               label=f"clip 1$\\pm${epsilon:g}")
     ax.set(xlim=w_range, ylim=(-delta, 4 * delta))
     style_axes(ax, title=label, xlabel="ratio w = $\\pi_\\theta / \\pi_{old}$", ylabel="D(w)")
@@ -144,11 +142,10 @@ def draw_intervals(ax, regions: dict[str, tuple[float, float]], epsilon: float, 
         ax.hlines(y, low, shown_high, colors=color_for(name), lw=7, gid=f"{name}-interval")
         if not math.isfinite(high):
             ax.plot(shown_high, y, ">", color=color_for(name), ms=10)
-        up = _fmt(high - 1)
         ax.annotate(f"1-l = {1 - low:.3f}", (low, y), textcoords="offset points", xytext=(-4, 0),
                     ha="right", va="center", fontsize=8)
         gap = 4 if high == shown_high else 12  # room for the arrow head of an unbounded interval
-        ax.annotate(f"u-1 = {up}", (shown_high, y), textcoords="offset points", xytext=(gap, 0),
+        ax.annotate(f"u-1 = {_fmt(high - 1)}", (shown_high, y), textcoords="offset points", xytext=(gap, 0),
                     ha="left", va="center", fontsize=8)
     ax.axvline(1.0, color="black", lw=0.8)
     labels = ["clip (symmetric)"] + [DIVERGENCES[n][0].split(" =")[0] for n in regions]
@@ -158,13 +155,8 @@ def draw_intervals(ax, regions: dict[str, tuple[float, float]], epsilon: float, 
     style_axes(ax, title="Feasible ratio intervals", xlabel="ratio w")
 
 
-def draw_q_bounds(
-    ax,
-    delta: float,
-    epsilon: float,
-    q_range: tuple[float, float] = (1e-3, 1.0),
-    dcpo_epsilons: tuple[float, float] = (0.16, 0.2),
-) -> None:
+def draw_q_bounds(ax, delta: float, epsilon: float, q_range: tuple[float, float] = (1e-3, 1.0),
+                  dcpo_epsilons: tuple[float, float] = (0.16, 0.2)) -> None:
     """Bounds against q = pi_old(token) on log axes: DCPO (gids "dcpo-low"/"dcpo-high"), TRGPPO with its
     1 -/+ eps floor (gids "trgppo-low"/"trgppo-high") and without (dotted), and the constant ATR and clip
     ranges."""
@@ -195,15 +187,9 @@ def draw_q_bounds(
                ylabel="ratio bound (log scale)")
 
 
-def plot_divergence_regions(
-    path: str | Path,
-    delta: float = 0.07,
-    epsilon: float = 0.2,
-    *,
-    kl1_two_sided: bool = False,
-    q_range: tuple[float, float] = (1e-3, 1.0),
-    dcpo_epsilons: tuple[float, float] = (0.16, 0.2),
-) -> dict[str, tuple[float, float]]:
+def plot_divergence_regions(path: str | Path, delta: float = 0.07, epsilon: float = 0.2, *, kl1_two_sided: bool = False,
+                            q_range: tuple[float, float] = (1e-3, 1.0),
+                            dcpo_epsilons: tuple[float, float] = (0.16, 0.2)) -> dict[str, tuple[float, float]]:
     """Write the paper's Figure 1, generalised, to `path`; return the plotted intervals {name: (l, u)}.
 
     Top row: D(w) for KL1, KL2, KL3, IS-KL3 with {D <= delta} shaded and the clip range 1 -/+ eps.
@@ -277,12 +263,8 @@ def _draw_sign_scatter(ax, samples: dict[str, dict[str, np.ndarray]], eta: float
     ax.legend(loc="upper left")
 
 
-def plot_theory_check(
-    path: str | Path,
-    rows: Sequence[Any],
-    samples: dict[str, dict[str, np.ndarray]] | None = None,
-    eta: float | None = None,
-) -> Path:
+def plot_theory_check(path: str | Path, rows: Sequence[Any], samples: dict[str, dict[str, np.ndarray]] | None = None,
+                      eta: float | None = None) -> Path:
     """Figure of `trustclip.theory.theorem_table` rows (error vs eta, log-log) and, with `samples` from
     `entropy_samples`, a predicted-vs-exact scatter of Delta H showing the sign per event."""
     if not rows:
