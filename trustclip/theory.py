@@ -380,10 +380,8 @@ def fit_slopes(rows: list[TheoryRow]) -> dict[str, dict[str, float]]:
 
 def format_table(rows: list[TheoryRow]) -> str:
     """Fixed-width text table of `theorem_table` rows."""
-    header = (
-        f"{'event':<5} {'eta':>6}  {'Thm5.1 err':>10}  {'rms dH':>9}  "
-        f"{'1st-order err':>13} {'rel':>8} {'sign':>5}  {'printed err':>11} {'rel':>8} {'sign':>5}"
-    )
+    header = (f"{'event':<5} {'eta':>6}  {'Thm5.1 err':>10}  {'rms dH':>9}  "
+              f"{'1st-order err':>13} {'rel':>8} {'sign':>5}  {'printed err':>11} {'rel':>8} {'sign':>5}")
     return "\n".join([header, "-" * len(header)] + [
         f"{r.event:<5} {r.eta:>6.3g}  {r.logit_error:>10.1e}  {r.entropy_rms:>9.2e}  "
         f"{r.first_order_error:>13.2e} {r.first_order_rel:>8.1e} {r.first_order_sign:>5.0%}  "
