@@ -1,5 +1,5 @@
-"""Figures: the shared style, the ratio regions of divergence constraints (ATR paper, Wu et al., arXiv
-2602.05494, Figure 1, generalised) and the theory checks of `trustclip.theory`.
+"""Figures: the shared style and the ratio regions of divergence constraints (ATR paper, Wu et al., arXiv
+2602.05494, Figure 1, generalised).
 
 matplotlib is imported lazily (Agg backend) so that importing this module costs nothing. New plots should
 use the style helpers (`figure_context`, `new_figure`, `style_axes`, `color_for`, `save_figure`) so every
@@ -9,7 +9,7 @@ figure of the library looks the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -215,65 +215,3 @@ def plot_divergence_regions(path: str | Path, delta: float = 0.07, epsilon: floa
                      f"vs symmetric clipping (arXiv 2602.05494, Fig. 1)")
         save_figure(fig, path)
     return {"clip": (1 - epsilon, 1 + epsilon), **regions}
-
-
-# --------------------------------------------------------------------------------- theory checks (trustclip.theory)
-def _draw_error_vs_eta(ax, rows: Sequence[Any]) -> None:
-    """Max |Delta H exact - prediction| against eta (log-log) per event, with eta and eta^2 guides."""
-    for event in ("X-", "X+"):
-        mine = [r for r in rows if r.event == event]
-        etas = np.array([r.eta for r in mine])
-        color = color_for(event)
-        ax.plot(etas, [r.first_order_error for r in mine], "o-", color=color, label=f"{event}: first order")
-        ax.plot(etas, [r.paper_error for r in mine], "s--", color=color, mfc="none",
-                label=f"{event}: Thm 5.2 as printed")
-    etas = np.array(sorted({r.eta for r in rows}))
-    # Guides offset from the data so they stay visible.
-    anchor = 0.2 * min(r.first_order_error for r in rows if r.eta == etas[0])
-    ax.plot(etas, anchor * (etas / etas[0]) ** 2, color="black", lw=1, ls=":", label="slope 2 ($\\eta^2$)")
-    anchor = 3.0 * max(r.paper_error for r in rows if r.eta == etas[0])
-    ax.plot(etas, anchor * (etas / etas[0]), color="black", lw=1, ls="-.", label="slope 1 ($\\eta$)")
-    ax.set(xscale="log", yscale="log")
-    style_axes(ax, title="Entropy difference: error of the prediction", xlabel="learning rate $\\eta$",
-               ylabel="max |$\\Delta H$ exact - predicted|")
-
-
-def _draw_sign_scatter(ax, samples: dict[str, dict[str, np.ndarray]], eta: float | None) -> None:
-    """Predicted vs exact Delta H per state; points off quadrants I/III have the wrong sign."""
-    preds = np.concatenate([np.concatenate([s["first_order"], s["paper"]]) for s in samples.values()])
-    exact = np.concatenate([s["exact"] for s in samples.values()])
-    xlim, ylim = 1.1 * np.abs(preds).max(), 1.1 * np.abs(exact).max()
-    ax.fill_between([-xlim, 0], 0, ylim, color="red", alpha=0.07, lw=0)
-    ax.fill_between([0, xlim], -ylim, 0, color="red", alpha=0.07, lw=0, label="wrong sign")
-    ax.plot([-ylim, ylim], [-ylim, ylim], color="0.4", lw=0.8, label="exact = predicted")
-    agreement = []
-    for event, s in samples.items():
-        color = color_for(event)
-        ax.scatter(s["first_order"], s["exact"], s=14, color=color, label=f"{event}: first order")
-        ax.scatter(s["paper"], s["exact"], s=18, facecolors="none", edgecolors=color, lw=0.9,
-                   label=f"{event}: as printed")
-        rates = [np.mean(np.sign(s[k]) == np.sign(s["exact"])) for k in ("first_order", "paper")]
-        agreement.append(f"{event}: first order {rates[0]:.0%}, printed {rates[1]:.0%}")
-    ax.text(0.98, 0.03, "same sign as exact\n" + "\n".join(agreement), transform=ax.transAxes,
-            ha="right", va="bottom", fontsize=8)
-    ax.set(xlim=(-xlim, xlim), ylim=(-ylim, ylim))
-    ax.ticklabel_format(style="sci", scilimits=(-2, 2))
-    title = "Sign of $\\Delta H$ = H(ATR) - H(clip) per state" + (f" ($\\eta$ = {eta:g})" if eta else "")
-    style_axes(ax, title=title, xlabel="predicted $\\Delta H$", ylabel="exact $\\Delta H$")
-    ax.legend(loc="upper left")
-
-
-def plot_theory_check(path: str | Path, rows: Sequence[Any], samples: dict[str, dict[str, np.ndarray]] | None = None,
-                      eta: float | None = None) -> Path:
-    """Figure of `trustclip.theory.theorem_table` rows (error vs eta, log-log) and, with `samples` from
-    `entropy_samples`, a predicted-vs-exact scatter of Delta H showing the sign per event."""
-    if not rows:
-        raise ValueError("rows is empty; run trustclip.theory.theorem_table first")
-    with figure_context():
-        fig, axes = new_figure(1, 2 if samples else 1, width=5.4, height=4.2)
-        _draw_error_vs_eta(axes[0, 0], rows)
-        if samples:
-            _draw_sign_scatter(axes[0, 1], samples, eta)
-        fig.suptitle("ATR vs ratio clipping: one exact PG step on a tabular softmax policy "
-                     "(arXiv 2602.05494, Thm 5.2)")
-        return save_figure(fig, path)

@@ -1,4 +1,7 @@
-"""Tabular softmax checks of the ATR paper's section 5 (Wu et al., arXiv 2602.05494, Thms 5.1, 5.2).
+"""Benchmark (not a test): tabular softmax checks of the ATR paper's section 5 (Wu et al., arXiv 2602.05494,
+Thms 5.1, 5.2): a simulator of one exact policy-gradient step, its table and figure.
+
+    python benchmarks/theory_check.py [--json] [--plot FILE.png] [--form ppo] [--step natural] [--delta 0.07]
 
 Setting of the paper (section 5.1): softmax policy pi_theta(a|s) = exp(theta_{s,a}) / sum_b exp(theta_{s,b}),
 full-batch policy gradient on the clipped surrogate (Appendix A.2, eq. 14/15)
@@ -43,13 +46,22 @@ so the theorems hold with v = A * 1[X](a) * 1[(w-1) A > 0]: only A < 0 tokens in
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
-from dataclasses import dataclass
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.special import log_softmax, softmax
 
+from trustclip.commands import check_figure_path
+from trustclip.figures import color_for, figure_context, new_figure, save_figure, style_axes
 from trustclip.objectives.bounds import check_delta, kl3_bounds
 
 EVENTS = ("X-", "X+")
@@ -386,3 +398,147 @@ def format_table(rows: list[TheoryRow]) -> str:
         f"{r.event:<5} {r.eta:>6.3g}  {r.logit_error:>10.1e}  {r.entropy_rms:>9.2e}  "
         f"{r.first_order_error:>13.2e} {r.first_order_rel:>8.1e} {r.first_order_sign:>5.0%}  "
         f"{r.paper_error:>11.2e} {r.paper_rel:>8.1e} {r.paper_sign:>5.0%}" for r in rows])
+
+
+# ------------------------------------------------------------------------------------------------ figure
+def _draw_error_vs_eta(ax, rows: Sequence[Any]) -> None:
+    """Max |Delta H exact - prediction| against eta (log-log) per event, with eta and eta^2 guides."""
+    for event in ("X-", "X+"):
+        mine = [r for r in rows if r.event == event]
+        etas = np.array([r.eta for r in mine])
+        color = color_for(event)
+        ax.plot(etas, [r.first_order_error for r in mine], "o-", color=color, label=f"{event}: first order")
+        ax.plot(etas, [r.paper_error for r in mine], "s--", color=color, mfc="none",
+                label=f"{event}: Thm 5.2 as printed")
+    etas = np.array(sorted({r.eta for r in rows}))
+    # Guides offset from the data so they stay visible.
+    anchor = 0.2 * min(r.first_order_error for r in rows if r.eta == etas[0])
+    ax.plot(etas, anchor * (etas / etas[0]) ** 2, color="black", lw=1, ls=":", label="slope 2 ($\\eta^2$)")
+    anchor = 3.0 * max(r.paper_error for r in rows if r.eta == etas[0])
+    ax.plot(etas, anchor * (etas / etas[0]), color="black", lw=1, ls="-.", label="slope 1 ($\\eta$)")
+    ax.set(xscale="log", yscale="log")
+    style_axes(ax, title="Entropy difference: error of the prediction", xlabel="learning rate $\\eta$",
+               ylabel="max |$\\Delta H$ exact - predicted|")
+
+
+def _draw_sign_scatter(ax, samples: dict[str, dict[str, np.ndarray]], eta: float | None) -> None:
+    """Predicted vs exact Delta H per state; points off quadrants I/III have the wrong sign."""
+    preds = np.concatenate([np.concatenate([s["first_order"], s["paper"]]) for s in samples.values()])
+    exact = np.concatenate([s["exact"] for s in samples.values()])
+    xlim, ylim = 1.1 * np.abs(preds).max(), 1.1 * np.abs(exact).max()
+    ax.fill_between([-xlim, 0], 0, ylim, color="red", alpha=0.07, lw=0)
+    ax.fill_between([0, xlim], -ylim, 0, color="red", alpha=0.07, lw=0, label="wrong sign")
+    ax.plot([-ylim, ylim], [-ylim, ylim], color="0.4", lw=0.8, label="exact = predicted")
+    agreement = []
+    for event, s in samples.items():
+        color = color_for(event)
+        ax.scatter(s["first_order"], s["exact"], s=14, color=color, label=f"{event}: first order")
+        ax.scatter(s["paper"], s["exact"], s=18, facecolors="none", edgecolors=color, lw=0.9,
+                   label=f"{event}: as printed")
+        rates = [np.mean(np.sign(s[k]) == np.sign(s["exact"])) for k in ("first_order", "paper")]
+        agreement.append(f"{event}: first order {rates[0]:.0%}, printed {rates[1]:.0%}")
+    ax.text(0.98, 0.03, "same sign as exact\n" + "\n".join(agreement), transform=ax.transAxes,
+            ha="right", va="bottom", fontsize=8)
+    ax.set(xlim=(-xlim, xlim), ylim=(-ylim, ylim))
+    ax.ticklabel_format(style="sci", scilimits=(-2, 2))
+    title = "Sign of $\\Delta H$ = H(ATR) - H(clip) per state" + (f" ($\\eta$ = {eta:g})" if eta else "")
+    style_axes(ax, title=title, xlabel="predicted $\\Delta H$", ylabel="exact $\\Delta H$")
+    ax.legend(loc="upper left")
+
+
+def plot_theory_check(path: str | Path, rows: Sequence[Any], samples: dict[str, dict[str, np.ndarray]] | None = None,
+                      eta: float | None = None) -> Path:
+    """Figure of `theorem_table` rows (error vs eta, log-log) and, with `samples` from
+    `entropy_samples`, a predicted-vs-exact scatter of Delta H showing the sign per event."""
+    if not rows:
+        raise ValueError("rows is empty; run theorem_table first")
+    with figure_context():
+        fig, axes = new_figure(1, 2 if samples else 1, width=5.4, height=4.2)
+        _draw_error_vs_eta(axes[0, 0], rows)
+        if samples:
+            _draw_sign_scatter(axes[0, 1], samples, eta)
+        fig.suptitle("ATR vs ratio clipping: one exact PG step on a tabular softmax policy "
+                     "(arXiv 2602.05494, Thm 5.2)")
+        return save_figure(fig, path)
+
+
+# --------------------------------------------------------------------------------------------- command line
+NOTES = """\
+Thm5.1 err: exact logit difference vs Theorem 5.1 (exact up to round-off: a PG step is linear in eta).
+1st-order:  -Cov_pi_k(Delta theta, log pi_k)
+              = +/- eta d(s) Cov_pi_k(pi_k(a) [A 1[X](a) - E A 1[X]], log pi_k(a))   (X-: +, X+: -);
+            its error must shrink like eta^2.
+printed:    Theorem 5.2 as printed, +/- eta d(s) Cov_pi_k(A 1[X](a), log pi_k(a)), without the pi_k(a)
+            weight of Theorem 5.1: its error shrinks only like eta for the vanilla step (it is the
+            first-order term of the natural-gradient step: --step natural).
+sign:       fraction of states where the prediction has the sign of the exact Delta H = H(ATR) - H(clip)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="theory_check.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--delta", type=float, default=0.07, help="KL3 threshold (default 0.07)")
+    parser.add_argument("--seeds", type=int, default=8, help="random problems per event (default 8)")
+    parser.add_argument("--states", type=int, default=4, help="states per problem (default 4)")
+    parser.add_argument("--actions", type=int, default=6, help="actions per state (default 6, >= 3)")
+    parser.add_argument("--etas", type=float, nargs="+", default=list(DEFAULT_ETAS),
+                        help="learning rates (default %(default)s)")
+    parser.add_argument("--form", choices=FORMS, default="clip",
+                        help="surrogate: 'clip' = paper eq. 14/15 (default), 'ppo' = min(w A, clip(w) A)")
+    parser.add_argument("--step", choices=STEPS, default="vanilla",
+                        help="update: 'vanilla' policy gradient (the theorems' setting) or 'natural'")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write error-vs-eta and sign figure")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return _run(parser.parse_args(argv))
+
+
+def _setting_text(s: EventSetting) -> str:
+    who = "ATR clips, ratio clipping does not" if s.event == "X-" else "ratio clipping clips, ATR does not"
+    return (f"  {s.event}: ATR [{s.atr[0]:.4f}, {s.atr[1]:.4f}] vs clip eps={s.epsilon:.4f} "
+            f"[{s.ratio[0]:.4f}, {s.ratio[1]:.4f}]; "
+            f"{s.event} = w in [{s.interval[0]:.4f}, {s.interval[1]:.4f}] ({who})")
+
+
+def _run(args: argparse.Namespace) -> int:
+    kwargs = dict(delta=args.delta, seeds=args.seeds, num_states=args.states, num_actions=args.actions,
+                  form=args.form, step=args.step)
+    try:
+        if args.plot:
+            check_figure_path(args.plot)
+        settings = {event: event_setting(event, args.delta) for event in EVENTS}
+        with warnings.catch_warnings(record=True) as caught:  # shown below only if the table can be built
+            warnings.simplefilter("always")
+            rows = theorem_table(etas=args.etas, **kwargs)
+            slopes = fit_slopes(rows) if len(args.etas) > 1 else {}
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    except ValueError as err:
+        print(f"theory_check: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # no random state has actions in the event's ratio region at this delta
+        low, high = settings["X-"].atr
+        print(f"theory_check: error: --delta {args.delta:g}: {err} (ATR region [{low:.3g}, {high:.3g}]: the "
+              "events X- / X+ need ratios the softmax states cannot reach; use a trust-region delta such as 0.07)",
+              file=sys.stderr)
+        return 2
+    if args.plot:
+        eta = min(args.etas)
+        plot_theory_check(args.plot, rows, entropy_samples(eta=eta, **kwargs), eta=eta)
+    if args.json:
+        print(json.dumps({"config": kwargs, "settings": {e: asdict(s) for e, s in settings.items()},
+                          "rows": [asdict(r) for r in rows], "slopes": slopes, "plot": args.plot}, indent=2))
+        return 0
+    print(f"Theorems 5.1/5.2 of arXiv 2602.05494: one exact PG step (autograd, surrogate '{args.form}', "
+          f"{args.step} step)\non {args.seeds} seeds x {args.states} states x {args.actions} actions "
+          f"per event; delta = {args.delta:g}")
+    print(*map(_setting_text, settings.values()), "", format_table(rows), "", sep="\n")
+    if slopes:
+        parts = [f"{e}: first-order {s['first_order']:.2f}, printed {s['paper']:.2f}" for e, s in slopes.items()]
+        print("fitted slope of log(max |dH error|) vs log(eta) -- " + " | ".join(parts))
+    print(NOTES)
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
