@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 import pytest
+import theory_check as theory
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from theory_check import main
 
-from trustclip import theory
-from trustclip.cli import main
 from trustclip.objectives.bounds import kl3, kl3_bounds
 
 SETTINGS = settings(max_examples=40, deadline=None)
@@ -219,19 +219,31 @@ def test_table_rows_and_slope_fit():
 
 
 def test_cli_json_and_text(capsys):
-    assert main(["theory", "--seeds", "2", "--etas", "0.01", "0.1", "--json"]) == 0
+    assert main(["--seeds", "2", "--etas", "0.01", "0.1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["rows"]) == 4 and set(out["slopes"]) == {"X-", "X+"}
     assert out["settings"]["X-"]["atr"] == pytest.approx(list(kl3_bounds(0.07)))
-    assert main(["theory", "--seeds", "1", "--delta", "0.05"]) == 0
+    assert main(["--seeds", "1", "--delta", "0.05"]) == 0
     text = capsys.readouterr().out
     assert "fitted slope" in text and "X+" in text
 
 
 def test_cli_rejects_bad_input(capsys):
-    assert main(["theory", "--delta", "-1"]) == 2
-    assert main(["theory", "--etas", "0"]) == 2
-    assert "trustclip theory: error" in capsys.readouterr().err
+    assert main(["--delta", "-1"]) == 2
+    assert main(["--etas", "0"]) == 2
+    assert "theory_check: error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [  # moved from tests/test_train_checks.py with the command
+    (["--plot", "out.txt"], "--plot 'out.txt': matplotlib writes"),
+    (["--delta", "50", "--seeds", "2", "--states", "2"], "--delta 50: could not build a state"),
+])
+def test_theory_rejects_bad_input_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and message in err and "Traceback" not in err, out + err
+    assert not (tmp_path / "out.txt").exists()
 
 
 @pytest.mark.parametrize(

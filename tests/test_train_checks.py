@@ -317,10 +317,8 @@ def test_eval_device_without_cuda(capsys):
     (["bounds", "--plot", "out.txt"], "--plot 'out.txt': matplotlib writes"),
     (["bounds", "--objective", "dcpo", "--q", "1.5"], "q must be a probability in (0, 1]"),
     (["bounds", "--objective", "trgppo", "--q", "nan"], "q must be a probability in (0, 1]"),
-    (["theory", "--plot", "out.txt"], "--plot 'out.txt': matplotlib writes"),
-    (["theory", "--delta", "50", "--seeds", "2", "--states", "2"], "--delta 50: could not build a state"),
 ])
-def test_bounds_and_theory_reject_bad_input_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
+def test_bounds_rejects_bad_input_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run_cli(argv, capsys)
     assert code == 2 and message in err and "Traceback" not in err, out + err

@@ -18,7 +18,6 @@ COMMANDS = {
     "train": "SFT for format, RLVR with any objective, evaluation (the main job)",
     "eval": "Mean@K / Pass@K of a model on benchmarks",
     "compare": "multi-seed comparison of objectives, with report and figures",
-    "theory": "tabular softmax checks of the paper's Theorems 5.1 and 5.2",
 }
 
 

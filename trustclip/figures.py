@@ -1,42 +1,24 @@
-"""Figures: ratio regions of divergence constraints (ATR paper Figure 1, generalised) and the theory checks.
+"""Figures: the shared style and the ratio regions of divergence constraints (ATR paper, Wu et al., arXiv
+2602.05494, Figure 1, generalised).
 
-ATR paper: Wu et al., arXiv 2602.05494. Figure 1 draws KL3(w) = w - 1 - log w against the ratio w, its
-feasible interval {KL3 <= delta} = [l_delta, u_delta] (Theorem 4.2) and the symmetric clip range
-[1 - eps, 1 + eps]. `plot_divergence_regions` does this for KL1, KL2, KL3 and IS-KL3, adds a side-by-side
-view of the intervals, and the q-dependent bounds of DCPO and TRGPPO (q = pi_old(token)).
-
-matplotlib is imported lazily (Agg backend) so that importing this module costs nothing. New plots
-should use the small shared style helpers (`figure_context`, `new_figure`, `style_axes`, `color_for`,
-`save_figure`) so every figure of the library looks the same.
+matplotlib is imported lazily (Agg backend) so that importing this module costs nothing. New plots should
+use the style helpers (`figure_context`, `new_figure`, `style_axes`, `color_for`, `save_figure`) so every
+figure of the library looks the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trustclip.objectives.bounds import (
-    check_delta,
-    dcpo_bounds,
-    is_kl3,
-    is_kl3_bounds,
-    kl1,
-    kl1_bounds,
-    kl2,
-    kl2_bounds,
-    kl3,
-    kl3_bounds,
-    trgppo_bounds,
-)
+from trustclip.objectives import bounds
 
-# --------------------------------------------------------------------------------------------------
-# Shared style
-# --------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- shared style
 STYLE: dict[str, Any] = {
     "figure.dpi": 100, "savefig.dpi": 150, "font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9,
     "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8,
@@ -70,31 +52,23 @@ def figure_context() -> Iterator[Any]:
         yield plt
 
 
-def new_figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.6, **kwargs):
+def new_figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.6):
     """(fig, axes) with panel size width x height inches, constrained layout and a 2-D axes array;
     call inside `figure_context`."""
-    kwargs.setdefault("layout", "constrained")
     figsize = (width * ncols, height * nrows)
-    return pyplot().subplots(nrows, ncols, figsize=figsize, squeeze=False, **kwargs)
+    return pyplot().subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
 
 
 def style_axes(ax, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None) -> None:
     """Title, labels and a legend when the axes has labelled artists."""
-    if title:
-        ax.set_title(title)
-    if xlabel:
-        ax.set_xlabel(xlabel)
-    if ylabel:
-        ax.set_ylabel(ylabel)
+    ax.set(**{key: text for key, text in {"title": title, "xlabel": xlabel, "ylabel": ylabel}.items() if text})
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
 
 
 def color_for(name: str) -> str:
     """Colour of a method or quantity, stable across figures and runs."""
-    if name in COLORS:
-        return COLORS[name]
-    return _FALLBACK[sum(map(ord, name)) % len(_FALLBACK)]
+    return COLORS.get(name, _FALLBACK[sum(map(ord, name)) % len(_FALLBACK)])
 
 
 def save_figure(fig, path: str | Path) -> Path:
@@ -108,31 +82,21 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------------------
-# Divergence regions (paper Figure 1, generalised)
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------ divergence regions (paper Figure 1, generalised)
 # name -> (label, D(w), bounds(delta)); the KL1 entry's bounds take the one-/two-sided flag.
 DIVERGENCES: dict[str, tuple[str, Callable, Callable]] = {
-    "kl1": ("KL1 = -log w", kl1, kl1_bounds),
-    "kl2": ("KL2 = (log w)$^2$/2", kl2, kl2_bounds),
-    "kl3": ("KL3 = w - 1 - log w  (ATR)", kl3, kl3_bounds),
-    "is_kl3": ("IS-KL3 = w log w - w + 1", is_kl3, is_kl3_bounds),
+    "kl1": ("KL1 = -log w", bounds.kl1, bounds.kl1_bounds),
+    "kl2": ("KL2 = (log w)$^2$/2", bounds.kl2, bounds.kl2_bounds),
+    "kl3": ("KL3 = w - 1 - log w  (ATR)", bounds.kl3, bounds.kl3_bounds),
+    "is_kl3": ("IS-KL3 = w log w - w + 1", bounds.is_kl3, bounds.is_kl3_bounds),
 }
-
-
-def _check_epsilon(epsilon: float) -> float:
-    if not 0 < epsilon < 1:
-        raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
-    return float(epsilon)
 
 
 def divergence_regions(delta: float = 0.07, kl1_two_sided: bool = False) -> dict[str, tuple[float, float]]:
     """{name: (l, u)} with {w : D(w) <= delta} = [l, u] for every divergence in DIVERGENCES."""
-    delta = check_delta(delta)
-    regions = {}
-    for name, (_, _, bounds) in DIVERGENCES.items():
-        regions[name] = bounds(delta, kl1_two_sided) if name == "kl1" else bounds(delta)
-    return regions
+    delta = bounds.check_delta(delta)
+    return {name: region(delta, kl1_two_sided) if name == "kl1" else region(delta)
+            for name, (_, _, region) in DIVERGENCES.items()}
 
 
 def _fmt(x: float) -> str:
@@ -145,9 +109,8 @@ def _w_range(regions: dict[str, tuple[float, float]], epsilon: float) -> tuple[f
     return max(0.8 * min(lows), 0.02), 1.15 * max(highs)
 
 
-def draw_divergence_curve(
-    ax, name: str, delta: float, epsilon: float, region: tuple[float, float], w_range: tuple[float, float]
-) -> None:
+def draw_divergence_curve(ax, name: str, delta: float, epsilon: float, region: tuple[float, float],
+                          w_range: tuple[float, float]) -> None:
     """D(w) with the line D = delta, the shaded feasible interval [l, u] (artist gid "<name>-region"), its
     endpoints (gid "<name>-endpoints", finite ones only) and the clip range 1 -/+ eps (gid "clip-range")."""
     label, fn, _ = DIVERGENCES[name]
@@ -164,11 +127,9 @@ def draw_divergence_curve(
         right = x > 1
         ax.annotate(f"{x:.3f}", (x, delta), textcoords="offset points", xytext=(5 if right else -5, -11),
                     ha="left" if right else "right", fontsize=8)
-    clip = [1 - epsilon, 1 + epsilon]
-    ax.vlines(clip, -delta, 4 * delta, colors=color_for("clip"), ls=":", lw=1.2, gid="clip-range",
+    ax.vlines([1 - epsilon, 1 + epsilon], -delta, 4 * delta, colors=color_for("clip"), ls=":", lw=1.2, gid="clip-range",
               label=f"clip 1$\\pm${epsilon:g}")
-    ax.set_xlim(*w_range)
-    ax.set_ylim(-delta, 4 * delta)
+    ax.set(xlim=w_range, ylim=(-delta, 4 * delta))
     style_axes(ax, title=label, xlabel="ratio w = $\\pi_\\theta / \\pi_{old}$", ylabel="D(w)")
     ax.legend(loc="upper center")
 
@@ -181,78 +142,64 @@ def draw_intervals(ax, regions: dict[str, tuple[float, float]], epsilon: float, 
         ax.hlines(y, low, shown_high, colors=color_for(name), lw=7, gid=f"{name}-interval")
         if not math.isfinite(high):
             ax.plot(shown_high, y, ">", color=color_for(name), ms=10)
-        up = _fmt(high - 1)
         ax.annotate(f"1-l = {1 - low:.3f}", (low, y), textcoords="offset points", xytext=(-4, 0),
                     ha="right", va="center", fontsize=8)
         gap = 4 if high == shown_high else 12  # room for the arrow head of an unbounded interval
-        ax.annotate(f"u-1 = {up}", (shown_high, y), textcoords="offset points", xytext=(gap, 0),
+        ax.annotate(f"u-1 = {_fmt(high - 1)}", (shown_high, y), textcoords="offset points", xytext=(gap, 0),
                     ha="left", va="center", fontsize=8)
     ax.axvline(1.0, color="black", lw=0.8)
     labels = ["clip (symmetric)"] + [DIVERGENCES[n][0].split(" =")[0] for n in regions]
     ax.set_yticks(range(len(rows)), labels)
-    ax.set_ylim(-0.7, len(rows) - 0.3)
-    ax.set_xlim(w_range[0] - 0.25, w_range[1] + 0.25)
+    ax.set(ylim=(-0.7, len(rows) - 0.3), xlim=(w_range[0] - 0.25, w_range[1] + 0.25))
     ax.grid(axis="y", visible=False)
     style_axes(ax, title="Feasible ratio intervals", xlabel="ratio w")
 
 
-def draw_q_bounds(
-    ax,
-    delta: float,
-    epsilon: float,
-    q_range: tuple[float, float] = (1e-3, 1.0),
-    dcpo_epsilons: tuple[float, float] = (0.16, 0.2),
-) -> None:
+def draw_q_bounds(ax, delta: float, epsilon: float, q_range: tuple[float, float] = (1e-3, 1.0),
+                  dcpo_epsilons: tuple[float, float] = (0.16, 0.2)) -> None:
     """Bounds against q = pi_old(token) on log axes: DCPO (gids "dcpo-low"/"dcpo-high"), TRGPPO with its
     1 -/+ eps floor (gids "trgppo-low"/"trgppo-high") and without (dotted), and the constant ATR and clip
     ranges."""
     q = np.logspace(np.log10(q_range[0]), np.log10(q_range[1]), 400)
     q = np.minimum(q, 1 - 1e-6)  # q = 1 makes every bound degenerate
-    dcpo_lo, dcpo_hi = dcpo_bounds(q, *dcpo_epsilons)
+    dcpo = bounds.dcpo_bounds(q, *dcpo_epsilons)
     with np.errstate(divide="ignore"):  # bounds.binary_kl hits log1p(-1) near q = 1; harmless there
-        trg_lo, trg_hi = trgppo_bounds(q, delta, epsilon)
-        raw_lo, raw_hi = trgppo_bounds(q, delta, None)
-    atr_lo, atr_hi = kl3_bounds(delta)
-    c_dcpo, c_trg = color_for("dcpo"), color_for("trgppo")
+        trgppo, raw = bounds.trgppo_bounds(q, delta, epsilon), bounds.trgppo_bounds(q, delta, None)
+    atr_lo, atr_hi = bounds.kl3_bounds(delta)
     eps_l, eps_h = dcpo_epsilons
-    dcpo_label = f"DCPO ($\\epsilon_l$={eps_l:g}, $\\epsilon_h$={eps_h:g})"
-    trg_label = f"TRGPPO ($\\delta$={delta:g}, floor 1$\\pm${epsilon:g})"
-    ax.plot(q, dcpo_lo, color=c_dcpo, lw=2, gid="dcpo-low", label=dcpo_label)
-    ax.plot(q, dcpo_hi, color=c_dcpo, lw=2, gid="dcpo-high")
-    ax.plot(q, trg_lo, color=c_trg, lw=2, gid="trgppo-low", label=trg_label)
-    ax.plot(q, trg_hi, color=c_trg, lw=2, gid="trgppo-high")
-    ax.plot(q, raw_lo, color=c_trg, lw=1, ls=":", label="TRGPPO raw KL bounds")
-    ax.plot(q, raw_hi, color=c_trg, lw=1, ls=":")
+    curves = [  # (gid stem, (low, high), colour, line style, legend label)
+        ("dcpo", dcpo, "dcpo", {"lw": 2}, f"DCPO ($\\epsilon_l$={eps_l:g}, $\\epsilon_h$={eps_h:g})"),
+        ("trgppo", trgppo, "trgppo", {"lw": 2}, f"TRGPPO ($\\delta$={delta:g}, floor 1$\\pm${epsilon:g})"),
+        (None, raw, "trgppo", {"lw": 1, "ls": ":"}, "TRGPPO raw KL bounds"),
+    ]
+    for gid, (low, high), color, style, label in curves:
+        ax.plot(q, low, color=color_for(color), gid=gid and f"{gid}-low", label=label, **style)
+        ax.plot(q, high, color=color_for(color), gid=gid and f"{gid}-high", **style)
     ax.hlines([atr_lo, atr_hi], q[0], q[-1], colors=color_for("atr"), lw=1.5, ls="--",
               label=f"ATR / KL3 [{atr_lo:.3f}, {atr_hi:.3f}]")
     ax.hlines([1 - epsilon, 1 + epsilon], q[0], q[-1], colors=color_for("clip"), lw=1.2, ls=":",
               label=f"clip 1$\\pm${epsilon:g}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
     ticks = [0.1, 0.2, 0.5, 1, 2, 5, 10, 20]
-    ax.set_ylim(ticks[0], ticks[-1])
+    ax.set(xscale="log", yscale="log", ylim=(ticks[0], ticks[-1]))
     ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
     ax.minorticks_off()
     style_axes(ax, title="Probability-dependent bounds", xlabel="q = $\\pi_{old}$(token)",
                ylabel="ratio bound (log scale)")
 
 
-def plot_divergence_regions(
-    path: str | Path,
-    delta: float = 0.07,
-    epsilon: float = 0.2,
-    *,
-    kl1_two_sided: bool = False,
-    q_range: tuple[float, float] = (1e-3, 1.0),
-    dcpo_epsilons: tuple[float, float] = (0.16, 0.2),
-) -> dict[str, tuple[float, float]]:
+def plot_divergence_regions(path: str | Path, delta: float = 0.07, epsilon: float = 0.2, *, kl1_two_sided: bool = False,
+                            q_range: tuple[float, float] = (1e-3, 1.0),
+                            dcpo_epsilons: tuple[float, float] = (0.16, 0.2)) -> dict[str, tuple[float, float]]:
     """Write the paper's Figure 1, generalised, to `path`; return the plotted intervals {name: (l, u)}.
 
     Top row: D(w) for KL1, KL2, KL3, IS-KL3 with {D <= delta} shaded and the clip range 1 -/+ eps.
     Bottom left: all intervals side by side (KL3: 1 - l < u - 1, Theorem 4.2 (2)).
     Bottom right: DCPO and TRGPPO bounds against the old token probability q (log axes).
     """
-    delta, epsilon = check_delta(delta), _check_epsilon(epsilon)
+    delta = bounds.check_delta(delta)
+    if not 0 < epsilon < 1:
+        raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
+    epsilon = float(epsilon)
     if not 0 < q_range[0] < q_range[1] <= 1:
         raise ValueError(f"q_range must satisfy 0 < q_min < q_max <= 1, got {q_range}")
     regions = divergence_regions(delta, kl1_two_sided)
@@ -268,73 +215,3 @@ def plot_divergence_regions(
                      f"vs symmetric clipping (arXiv 2602.05494, Fig. 1)")
         save_figure(fig, path)
     return {"clip": (1 - epsilon, 1 + epsilon), **regions}
-
-
-# --------------------------------------------------------------------------------------------------
-# Theory checks (trustclip.theory)
-# --------------------------------------------------------------------------------------------------
-def _draw_error_vs_eta(ax, rows: Sequence[Any]) -> None:
-    """Max |Delta H exact - prediction| against eta (log-log) per event, with eta and eta^2 guides."""
-    for event in ("X-", "X+"):
-        mine = [r for r in rows if r.event == event]
-        etas = np.array([r.eta for r in mine])
-        color = color_for(event)
-        ax.plot(etas, [r.first_order_error for r in mine], "o-", color=color, label=f"{event}: first order")
-        ax.plot(etas, [r.paper_error for r in mine], "s--", color=color, mfc="none",
-                label=f"{event}: Thm 5.2 as printed")
-    etas = np.array(sorted({r.eta for r in rows}))
-    # Guides offset from the data so they stay visible.
-    anchor = 0.2 * min(r.first_order_error for r in rows if r.eta == etas[0])
-    ax.plot(etas, anchor * (etas / etas[0]) ** 2, color="black", lw=1, ls=":", label="slope 2 ($\\eta^2$)")
-    anchor = 3.0 * max(r.paper_error for r in rows if r.eta == etas[0])
-    ax.plot(etas, anchor * (etas / etas[0]), color="black", lw=1, ls="-.", label="slope 1 ($\\eta$)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    style_axes(ax, title="Entropy difference: error of the prediction", xlabel="learning rate $\\eta$",
-               ylabel="max |$\\Delta H$ exact - predicted|")
-
-
-def _draw_sign_scatter(ax, samples: dict[str, dict[str, np.ndarray]], eta: float | None) -> None:
-    """Predicted vs exact Delta H per state; points off quadrants I/III have the wrong sign."""
-    preds = np.concatenate([np.concatenate([s["first_order"], s["paper"]]) for s in samples.values()])
-    exact = np.concatenate([s["exact"] for s in samples.values()])
-    xlim, ylim = 1.1 * np.abs(preds).max(), 1.1 * np.abs(exact).max()
-    ax.fill_between([-xlim, 0], 0, ylim, color="red", alpha=0.07, lw=0)
-    ax.fill_between([0, xlim], -ylim, 0, color="red", alpha=0.07, lw=0, label="wrong sign")
-    ax.plot([-ylim, ylim], [-ylim, ylim], color="0.4", lw=0.8, label="exact = predicted")
-    agreement = []
-    for event, s in samples.items():
-        color = color_for(event)
-        ax.scatter(s["first_order"], s["exact"], s=14, color=color, label=f"{event}: first order")
-        ax.scatter(s["paper"], s["exact"], s=18, facecolors="none", edgecolors=color, lw=0.9,
-                   label=f"{event}: as printed")
-        rates = [np.mean(np.sign(s[k]) == np.sign(s["exact"])) for k in ("first_order", "paper")]
-        agreement.append(f"{event}: first order {rates[0]:.0%}, printed {rates[1]:.0%}")
-    ax.text(0.98, 0.03, "same sign as exact\n" + "\n".join(agreement), transform=ax.transAxes,
-            ha="right", va="bottom", fontsize=8)
-    ax.set_xlim(-xlim, xlim)
-    ax.set_ylim(-ylim, ylim)
-    ax.ticklabel_format(style="sci", scilimits=(-2, 2))
-    title = "Sign of $\\Delta H$ = H(ATR) - H(clip) per state" + (f" ($\\eta$ = {eta:g})" if eta else "")
-    style_axes(ax, title=title, xlabel="predicted $\\Delta H$", ylabel="exact $\\Delta H$")
-    ax.legend(loc="upper left")
-
-
-def plot_theory_check(
-    path: str | Path,
-    rows: Sequence[Any],
-    samples: dict[str, dict[str, np.ndarray]] | None = None,
-    eta: float | None = None,
-) -> Path:
-    """Figure of `trustclip.theory.theorem_table` rows (error vs eta, log-log) and, with `samples` from
-    `entropy_samples`, a predicted-vs-exact scatter of Delta H showing the sign per event."""
-    if not rows:
-        raise ValueError("rows is empty; run trustclip.theory.theorem_table first")
-    with figure_context():
-        fig, axes = new_figure(1, 2 if samples else 1, width=5.4, height=4.2)
-        _draw_error_vs_eta(axes[0, 0], rows)
-        if samples:
-            _draw_sign_scatter(axes[0, 1], samples, eta)
-        fig.suptitle("ATR vs ratio clipping: one exact PG step on a tabular softmax policy "
-                     "(arXiv 2602.05494, Thm 5.2)")
-        return save_figure(fig, path)

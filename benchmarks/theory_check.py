@@ -1,4 +1,7 @@
-"""Tabular softmax checks of the ATR paper's section 5 (Wu et al., arXiv 2602.05494, Thms 5.1, 5.2).
+"""Benchmark (not a test): tabular softmax checks of the ATR paper's section 5 (Wu et al., arXiv 2602.05494,
+Thms 5.1, 5.2): a simulator of one exact policy-gradient step, its table and figure.
+
+    python benchmarks/theory_check.py [--json] [--plot FILE.png] [--form ppo] [--step natural] [--delta 0.07]
 
 Setting of the paper (section 5.1): softmax policy pi_theta(a|s) = exp(theta_{s,a}) / sum_b exp(theta_{s,b}),
 full-batch policy gradient on the clipped surrogate (Appendix A.2, eq. 14/15)
@@ -43,13 +46,22 @@ so the theorems hold with v = A * 1[X](a) * 1[(w-1) A > 0]: only A < 0 tokens in
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
-from dataclasses import dataclass
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from scipy.special import log_softmax, softmax
 
+from trustclip.commands import check_figure_path
+from trustclip.figures import color_for, figure_context, new_figure, save_figure, style_axes
 from trustclip.objectives.bounds import check_delta, kl3_bounds
 
 EVENTS = ("X-", "X+")
@@ -122,11 +134,6 @@ class TabularProblem:
         return self.probs / self.old_probs
 
 
-def _as_problem(logits, old_probs, advantages, state_dist) -> TabularProblem:
-    arrays = (np.asarray(x, dtype=np.float64) for x in (logits, old_probs, advantages, state_dist))
-    return TabularProblem(*arrays)
-
-
 def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: int = 4, num_actions: int = 6,
                    margin: float = 0.05) -> TabularProblem:
     """Random pi_old, A ~ N(0, 1), d ~ Dirichlet, and pi_k built from target ratios w(s, a).
@@ -140,18 +147,15 @@ def random_problem(setting: EventSetting, rng: np.random.Generator, num_states: 
         raise ValueError(f"need num_states >= 1 and num_actions >= 3, got {num_states}, {num_actions}")
     if not 0 < margin < 0.5:
         raise ValueError(f"margin must be in (0, 0.5), got {margin}")
-    rows = [_random_state(setting, rng, num_actions, margin) for _ in range(num_states)]
-    old = np.stack([r[0] for r in rows])
-    new = np.stack([r[1] for r in rows])
+    states = [_random_state(setting, rng, num_actions, margin) for _ in range(num_states)]
+    old, new = map(np.stack, zip(*states, strict=True))
     adv = rng.standard_normal((num_states, num_actions))
-    dist = rng.dirichlet(np.full(num_states, 4.0))
-    return _as_problem(np.log(new), old, adv, dist)
+    return TabularProblem(np.log(new), old, adv, rng.dirichlet(np.full(num_states, 4.0)))
 
 
 def _regions(setting: EventSetting, margin: float) -> dict[str, tuple[float, float]]:
     """Ratio intervals (shrunk by `margin`) where: only one method clips, neither clips, both clip."""
-    lo_in, hi_in = max(setting.atr[0], setting.ratio[0]), min(setting.atr[1], setting.ratio[1])
-    lo_out, hi_out = min(setting.atr[0], setting.ratio[0]), max(setting.atr[1], setting.ratio[1])
+    lo_out, lo_in, hi_in, hi_out = sorted((*setting.atr, *setting.ratio))  # the two ranges overlap
     regions = {"event": setting.interval, "inside": (lo_in, hi_in), "above": (hi_out, 1.6 * hi_out)}
     if lo_out > 0.05:
         regions["below"] = (0.3 * lo_out, lo_out)
@@ -194,7 +198,7 @@ def counterexample_problem(delta: float = 0.07) -> tuple[TabularProblem, EventSe
     rest = [0, 2, 3]
     old[rest] = new[rest] * (1.0 - old[1]) / new[rest].sum()  # one common ratio > u: both methods clip
     adv = np.array([0.5, 1.0, -0.7, 0.2])
-    return _as_problem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
+    return TabularProblem(np.log(new)[None], old[None], adv[None], np.ones(1)), setting
 
 
 def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[float, float],
@@ -203,9 +207,8 @@ def surrogate(logits: torch.Tensor, problem: TabularProblem, clip_range: tuple[f
     or f = min(w A, clip(w, lo, hi) A) (PPO/GRPO min form, `form="ppo"`)."""
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-    old = torch.as_tensor(problem.old_probs, dtype=logits.dtype)
-    adv = torch.as_tensor(problem.advantages, dtype=logits.dtype)
-    dist = torch.as_tensor(problem.state_dist, dtype=logits.dtype)
+    old, adv, dist = (torch.as_tensor(x, dtype=logits.dtype)
+                      for x in (problem.old_probs, problem.advantages, problem.state_dist))
     w = torch.softmax(logits, dim=-1) / old
     clipped = torch.clamp(w, clip_range[0], clip_range[1]) * adv
     per_token = clipped if form == "clip" else torch.minimum(w * adv, clipped)
@@ -220,11 +223,10 @@ def surrogate_gradient(problem: TabularProblem, clip_range: tuple[float, float],
         raise ValueError(f"step must be one of {STEPS}, got {step!r}")
     theta = torch.tensor(problem.logits, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(surrogate(theta, problem, clip_range, form), theta)
-    grad = grad.numpy()
-    if step == "natural":
-        fishers = [np.diag(p) - np.outer(p, p) for p in problem.probs]
-        grad = np.stack([np.linalg.pinv(f) @ g for f, g in zip(fishers, grad, strict=True)])
-    return grad
+    if step == "vanilla":
+        return grad.numpy()
+    fishers = [np.diag(p) - np.outer(p, p) for p in problem.probs]
+    return np.stack([np.linalg.pinv(f) @ g for f, g in zip(fishers, grad.numpy(), strict=True)])
 
 
 def entropy(logits: np.ndarray) -> np.ndarray:
@@ -237,11 +239,9 @@ def exact_differences(problem: TabularProblem, setting: EventSetting, etas, form
                       step: str = "vanilla") -> tuple[np.ndarray, np.ndarray]:
     """theta^ATR - theta^ratio (len(etas), S, n) and H(theta^ATR) - H(theta^ratio) (len(etas), S)
     after one step from theta^k with each clip range."""
-    g_atr = surrogate_gradient(problem, setting.atr, form, step)
-    g_ratio = surrogate_gradient(problem, setting.ratio, form, step)
-    etas = np.asarray(etas, dtype=np.float64).reshape(-1)
-    theta_atr = problem.logits + etas[:, None, None] * g_atr
-    theta_ratio = problem.logits + etas[:, None, None] * g_ratio
+    etas = np.asarray(etas, dtype=np.float64).reshape(-1, 1, 1)
+    theta_atr, theta_ratio = (problem.logits + etas * surrogate_gradient(problem, clip_range, form, step)
+                              for clip_range in (setting.atr, setting.ratio))
     return theta_atr - theta_ratio, entropy(theta_atr) - entropy(theta_ratio)
 
 
@@ -278,14 +278,9 @@ def predicted_logit_difference(problem: TabularProblem, setting: EventSetting, e
 
 def predicted_entropy_difference(problem: TabularProblem, setting: EventSetting, eta: float, form: str = "clip",
                                  step: str = "vanilla", formula: str = "first_order") -> np.ndarray:
-    """Theorem 5.2, per state.
-
-    "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from Theorem 5.1 (eq. 28 + 29);
-        for the vanilla step this is +eta d(s) C (X-) or -eta d(s) C (X+) with
-        C = Cov_{pi_k}(pi_k(a) [v(a) - E_{pi_k} v], log pi_k(a)).
-    "paper": the printed statement, +eta d Cov_{pi_k}(v, log pi_k) for X-, -eta d Cov(...) for X+
-        (first-order correct only for the natural step; see the module docstring).
-    """
+    """Theorem 5.2, per state. "first_order": -Cov_{pi_k}(Delta theta, log pi_k) with Delta theta from
+    Theorem 5.1 (eq. 28 + 29). "paper": as printed, +/- eta d(s) Cov_{pi_k}(v, log pi_k) for X- / X+ (first
+    order only for the natural step; see the module docstring)."""
     p = problem.probs
     log_p = np.log(p)
     if formula == "first_order":
@@ -374,11 +369,10 @@ def entropy_samples(delta: float = 0.07, eta: float = 0.01, seeds: int = 8, num_
                     form: str = "clip", step: str = "vanilla") -> dict[str, dict[str, np.ndarray]]:
     """Delta H per (seed, state) at one eta: {event: {"exact", "first_order", "paper"}} (scatter plots)."""
     _check_etas([eta])
-    samples = {}
-    for event in EVENTS:
-        data = _collect(event_setting(event, delta), [eta], seeds, num_states, num_actions, form, step)
-        samples[event] = {"exact": data["dh"][0], "first_order": data["first_order"][0], "paper": data["paper"][0]}
-    return samples
+    data = {event: _collect(event_setting(event, delta), [eta], seeds, num_states, num_actions, form, step)
+            for event in EVENTS}
+    return {event: {"exact": d["dh"][0], "first_order": d["first_order"][0], "paper": d["paper"][0]}
+            for event, d in data.items()}
 
 
 def fit_slope(etas, errors) -> float:
@@ -391,21 +385,160 @@ def fit_slope(etas, errors) -> float:
 
 def fit_slopes(rows: list[TheoryRow]) -> dict[str, dict[str, float]]:
     """{event: {"first_order": slope, "paper": slope}} of the max entropy error against eta."""
-    slopes = {}
-    for event in EVENTS:
-        mine = [r for r in rows if r.event == event]
-        slopes[event] = {f: fit_slope([r.eta for r in mine], [getattr(r, f"{f}_error") for r in mine])
-                         for f in ("first_order", "paper")}
-    return slopes
+    by_event = {event: [r for r in rows if r.event == event] for event in EVENTS}
+    return {event: {f: fit_slope([r.eta for r in mine], [getattr(r, f"{f}_error") for r in mine])
+                    for f in ("first_order", "paper")} for event, mine in by_event.items()}
 
 
 def format_table(rows: list[TheoryRow]) -> str:
     """Fixed-width text table of `theorem_table` rows."""
-    header = (
-        f"{'event':<5} {'eta':>6}  {'Thm5.1 err':>10}  {'rms dH':>9}  "
-        f"{'1st-order err':>13} {'rel':>8} {'sign':>5}  {'printed err':>11} {'rel':>8} {'sign':>5}"
-    )
+    header = (f"{'event':<5} {'eta':>6}  {'Thm5.1 err':>10}  {'rms dH':>9}  "
+              f"{'1st-order err':>13} {'rel':>8} {'sign':>5}  {'printed err':>11} {'rel':>8} {'sign':>5}")
     return "\n".join([header, "-" * len(header)] + [
         f"{r.event:<5} {r.eta:>6.3g}  {r.logit_error:>10.1e}  {r.entropy_rms:>9.2e}  "
         f"{r.first_order_error:>13.2e} {r.first_order_rel:>8.1e} {r.first_order_sign:>5.0%}  "
         f"{r.paper_error:>11.2e} {r.paper_rel:>8.1e} {r.paper_sign:>5.0%}" for r in rows])
+
+
+# ------------------------------------------------------------------------------------------------ figure
+def _draw_error_vs_eta(ax, rows: Sequence[Any]) -> None:
+    """Max |Delta H exact - prediction| against eta (log-log) per event, with eta and eta^2 guides."""
+    for event in ("X-", "X+"):
+        mine = [r for r in rows if r.event == event]
+        etas = np.array([r.eta for r in mine])
+        color = color_for(event)
+        ax.plot(etas, [r.first_order_error for r in mine], "o-", color=color, label=f"{event}: first order")
+        ax.plot(etas, [r.paper_error for r in mine], "s--", color=color, mfc="none",
+                label=f"{event}: Thm 5.2 as printed")
+    etas = np.array(sorted({r.eta for r in rows}))
+    # Guides offset from the data so they stay visible.
+    anchor = 0.2 * min(r.first_order_error for r in rows if r.eta == etas[0])
+    ax.plot(etas, anchor * (etas / etas[0]) ** 2, color="black", lw=1, ls=":", label="slope 2 ($\\eta^2$)")
+    anchor = 3.0 * max(r.paper_error for r in rows if r.eta == etas[0])
+    ax.plot(etas, anchor * (etas / etas[0]), color="black", lw=1, ls="-.", label="slope 1 ($\\eta$)")
+    ax.set(xscale="log", yscale="log")
+    style_axes(ax, title="Entropy difference: error of the prediction", xlabel="learning rate $\\eta$",
+               ylabel="max |$\\Delta H$ exact - predicted|")
+
+
+def _draw_sign_scatter(ax, samples: dict[str, dict[str, np.ndarray]], eta: float | None) -> None:
+    """Predicted vs exact Delta H per state; points off quadrants I/III have the wrong sign."""
+    preds = np.concatenate([np.concatenate([s["first_order"], s["paper"]]) for s in samples.values()])
+    exact = np.concatenate([s["exact"] for s in samples.values()])
+    xlim, ylim = 1.1 * np.abs(preds).max(), 1.1 * np.abs(exact).max()
+    ax.fill_between([-xlim, 0], 0, ylim, color="red", alpha=0.07, lw=0)
+    ax.fill_between([0, xlim], -ylim, 0, color="red", alpha=0.07, lw=0, label="wrong sign")
+    ax.plot([-ylim, ylim], [-ylim, ylim], color="0.4", lw=0.8, label="exact = predicted")
+    agreement = []
+    for event, s in samples.items():
+        color = color_for(event)
+        ax.scatter(s["first_order"], s["exact"], s=14, color=color, label=f"{event}: first order")
+        ax.scatter(s["paper"], s["exact"], s=18, facecolors="none", edgecolors=color, lw=0.9,
+                   label=f"{event}: as printed")
+        rates = [np.mean(np.sign(s[k]) == np.sign(s["exact"])) for k in ("first_order", "paper")]
+        agreement.append(f"{event}: first order {rates[0]:.0%}, printed {rates[1]:.0%}")
+    ax.text(0.98, 0.03, "same sign as exact\n" + "\n".join(agreement), transform=ax.transAxes,
+            ha="right", va="bottom", fontsize=8)
+    ax.set(xlim=(-xlim, xlim), ylim=(-ylim, ylim))
+    ax.ticklabel_format(style="sci", scilimits=(-2, 2))
+    title = "Sign of $\\Delta H$ = H(ATR) - H(clip) per state" + (f" ($\\eta$ = {eta:g})" if eta else "")
+    style_axes(ax, title=title, xlabel="predicted $\\Delta H$", ylabel="exact $\\Delta H$")
+    ax.legend(loc="upper left")
+
+
+def plot_theory_check(path: str | Path, rows: Sequence[Any], samples: dict[str, dict[str, np.ndarray]] | None = None,
+                      eta: float | None = None) -> Path:
+    """Figure of `theorem_table` rows (error vs eta, log-log) and, with `samples` from
+    `entropy_samples`, a predicted-vs-exact scatter of Delta H showing the sign per event."""
+    if not rows:
+        raise ValueError("rows is empty; run theorem_table first")
+    with figure_context():
+        fig, axes = new_figure(1, 2 if samples else 1, width=5.4, height=4.2)
+        _draw_error_vs_eta(axes[0, 0], rows)
+        if samples:
+            _draw_sign_scatter(axes[0, 1], samples, eta)
+        fig.suptitle("ATR vs ratio clipping: one exact PG step on a tabular softmax policy "
+                     "(arXiv 2602.05494, Thm 5.2)")
+        return save_figure(fig, path)
+
+
+# --------------------------------------------------------------------------------------------- command line
+NOTES = """\
+Thm5.1 err: exact logit difference vs Theorem 5.1 (exact up to round-off: a PG step is linear in eta).
+1st-order:  -Cov_pi_k(Delta theta, log pi_k)
+              = +/- eta d(s) Cov_pi_k(pi_k(a) [A 1[X](a) - E A 1[X]], log pi_k(a))   (X-: +, X+: -);
+            its error must shrink like eta^2.
+printed:    Theorem 5.2 as printed, +/- eta d(s) Cov_pi_k(A 1[X](a), log pi_k(a)), without the pi_k(a)
+            weight of Theorem 5.1: its error shrinks only like eta for the vanilla step (it is the
+            first-order term of the natural-gradient step: --step natural).
+sign:       fraction of states where the prediction has the sign of the exact Delta H = H(ATR) - H(clip)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="theory_check.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--delta", type=float, default=0.07, help="KL3 threshold (default 0.07)")
+    parser.add_argument("--seeds", type=int, default=8, help="random problems per event (default 8)")
+    parser.add_argument("--states", type=int, default=4, help="states per problem (default 4)")
+    parser.add_argument("--actions", type=int, default=6, help="actions per state (default 6, >= 3)")
+    parser.add_argument("--etas", type=float, nargs="+", default=list(DEFAULT_ETAS),
+                        help="learning rates (default %(default)s)")
+    parser.add_argument("--form", choices=FORMS, default="clip",
+                        help="surrogate: 'clip' = paper eq. 14/15 (default), 'ppo' = min(w A, clip(w) A)")
+    parser.add_argument("--step", choices=STEPS, default="vanilla",
+                        help="update: 'vanilla' policy gradient (the theorems' setting) or 'natural'")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write error-vs-eta and sign figure")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return _run(parser.parse_args(argv))
+
+
+def _setting_text(s: EventSetting) -> str:
+    who = "ATR clips, ratio clipping does not" if s.event == "X-" else "ratio clipping clips, ATR does not"
+    return (f"  {s.event}: ATR [{s.atr[0]:.4f}, {s.atr[1]:.4f}] vs clip eps={s.epsilon:.4f} "
+            f"[{s.ratio[0]:.4f}, {s.ratio[1]:.4f}]; "
+            f"{s.event} = w in [{s.interval[0]:.4f}, {s.interval[1]:.4f}] ({who})")
+
+
+def _run(args: argparse.Namespace) -> int:
+    kwargs = dict(delta=args.delta, seeds=args.seeds, num_states=args.states, num_actions=args.actions,
+                  form=args.form, step=args.step)
+    try:
+        if args.plot:
+            check_figure_path(args.plot)
+        settings = {event: event_setting(event, args.delta) for event in EVENTS}
+        with warnings.catch_warnings(record=True) as caught:  # shown below only if the table can be built
+            warnings.simplefilter("always")
+            rows = theorem_table(etas=args.etas, **kwargs)
+            slopes = fit_slopes(rows) if len(args.etas) > 1 else {}
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    except ValueError as err:
+        print(f"theory_check: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # no random state has actions in the event's ratio region at this delta
+        low, high = settings["X-"].atr
+        print(f"theory_check: error: --delta {args.delta:g}: {err} (ATR region [{low:.3g}, {high:.3g}]: the "
+              "events X- / X+ need ratios the softmax states cannot reach; use a trust-region delta such as 0.07)",
+              file=sys.stderr)
+        return 2
+    if args.plot:
+        eta = min(args.etas)
+        plot_theory_check(args.plot, rows, entropy_samples(eta=eta, **kwargs), eta=eta)
+    if args.json:
+        print(json.dumps({"config": kwargs, "settings": {e: asdict(s) for e, s in settings.items()},
+                          "rows": [asdict(r) for r in rows], "slopes": slopes, "plot": args.plot}, indent=2))
+        return 0
+    print(f"Theorems 5.1/5.2 of arXiv 2602.05494: one exact PG step (autograd, surrogate '{args.form}', "
+          f"{args.step} step)\non {args.seeds} seeds x {args.states} states x {args.actions} actions "
+          f"per event; delta = {args.delta:g}")
+    print(*map(_setting_text, settings.values()), "", format_table(rows), "", sep="\n")
+    if slopes:
+        parts = [f"{e}: first-order {s['first_order']:.2f}, printed {s['paper']:.2f}" for e, s in slopes.items()]
+        print("fitted slope of log(max |dH error|) vs log(eta) -- " + " | ".join(parts))
+    print(NOTES)
+    if args.plot:
+        print(f"figure written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
