@@ -1,16 +1,7 @@
-"""`trustclip compare`: multi-seed comparison of objectives with everything else held fixed.
-
-    plan.py     an experiment as data: groups x seeds, each run a validated training config
-    runner.py   the runs, resumable, in a small pool of worker processes
-    results.py  finished runs -> one tidy table (run, group, seed, outcome, value) and its pivots per group
-    stats.py    paired differences, their intervals, the seeds they would need, rliable's aggregates
-    report.py   the report's English (every verdict from one paired difference), report.md, results.csv (the tidy
-                table, then the comparisons), a slim results.json and curves.csv; figures.py: the figures
-
-`run_compare(CompareSettings)` does all of it; the experiment is saved as `compare.json` in the output directory, so
-that `--report-only` (or a rerun without `--objectives`) reuses it. The reference group (`--reference`) is a report
-setting: it changes no run, and `--report-only --reference X` rebuilds the report.
-"""
+"""`trustclip compare`: a multi-seed comparison of objectives with everything else held fixed. `run_compare` plans the
+experiment (plan.py), makes its unfinished runs (runner.py) and reports on the finished ones (results.py, stats.py,
+report.py, figures.py). The experiment is saved as compare.json in the output directory, so that `--report-only` (or a
+rerun without `--objectives`) reuses it."""
 
 from __future__ import annotations
 
@@ -32,8 +23,6 @@ from trustclip.train.config import parse_override
 SETTINGS_FILE = "compare.json"
 DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
-
-__all__ = ["CompareSettings", "RunSpec", "build_report", "is_finished", "plan_runs", "run_compare"]
 
 
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
@@ -64,7 +53,9 @@ class CompareSettings:
     hparams: list[str] = _experiment([])
     share_sft: bool = _experiment(True)
     eval_every: int | None = _experiment(None)  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
-    runs_dir: str | None = _experiment(None)  # where the runs live (a pool several compares share); None: output_dir
+    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
+    # RL from the same SFT model per seed); None: output_dir
+    runs_dir: str | None = _experiment(None)
     # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
@@ -93,8 +84,7 @@ class CompareSettings:
         return {k: v for k, v in asdict(self).items() if k in EXPERIMENT_KEYS}
 
     def base_config(self) -> dict[str, Any]:
-        """Recipe + overrides, with the periodic evaluation the accuracy-vs-step figure needs: `eval_every`
-        if given, else the recipe's (or `--set rl.eval_every`), else max_steps // 5 when that is 0."""
+        """Recipe + overrides, with the periodic evaluation the accuracy-vs-step figure needs (`eval_every`)."""
         base = planning.base_config(self.config, self.overrides)
         if self.eval_every is not None:
             base["rl"]["eval_every"] = self.eval_every
@@ -114,8 +104,6 @@ class CompareSettings:
 
     @property
     def runs_root(self) -> Path:
-        """Where `runs/` is: `runs_dir`, a pool several compares share (a run with the same settings is made once,
-        every compare starts RL from the same SFT model per seed), else the output directory."""
         return Path(self.runs_dir) if self.runs_dir else self.output_dir
 
     def reference_group(self, runs: list[RunSpec]) -> str:
@@ -127,10 +115,9 @@ class CompareSettings:
 EXPERIMENT_KEYS = tuple(f.name for f in fields(CompareSettings) if f.metadata.get("experiment"))  # compare.json
 
 
-def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str] | None = None,
-                 say: Callable[[str], None] = print) -> dict[str, Path] | None:
-    """Report on the finished runs of the plan (None when none has finished)."""
-    failed = {} if failed is None else failed
+def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str],
+                 say: Callable[[str], None]) -> dict[str, Path] | None:
+    """Report on the finished runs of the plan (None when none has finished); unreadable runs join `failed`."""
     records, rl = [], [s for s in runs if s.kind == "rl"]
     for spec in filter(is_finished, rl):
         try:
@@ -185,6 +172,6 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
             f"finished; {len(result.failed)} failed")
         if result.interrupted:
             return 130
-        failed = dict(result.failed)
+        failed = result.failed
     build_report(settings, runs, failed, say)
     return 0 if all(is_finished(r) for r in runs) else 1

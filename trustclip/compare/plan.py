@@ -1,14 +1,7 @@
-"""An experiment as data: groups x seeds, each run a full training config validated as `trustclip train` validates it.
-
-A group is an item of `--objectives` (`clip`, or a variant `clip[epsilon=0.329]`, named as written) at each value of
-`--sweep`; all else is the recipe plus `--set`. Its hyper-parameters: the recipe's `rl.objective_kwargs` when the recipe
-trains that objective, then the one place that sets a key (brackets, `--hparam OBJECTIVE.KEY=V` or `--sweep KEY=V,..`;
-two setting one key is an error), resolved in `_objective_kwargs`. A sweep key without a dot applies to the objectives
-that have it (the others run once, as references); a dotted key is a training option of every run. A run's directory
-follows from its settings (`_make_run`), so equal settings written differently share one run of a pool; with shared SFT
-(default) SFT runs once per seed in `runs/_sft/seed<k>` and that seed's RL runs (stages `rl, eval`) start from its
-model, as in the paper.
-"""
+"""An experiment as data: groups (each item of `--objectives` at each value of `--sweep`) x seeds, each run a full
+training config validated as `trustclip train` validates it, in a folder named by its settings, so that equal settings
+written differently share one run of a pool; with shared SFT, each seed's RL runs start from one SFT model, as in the
+paper."""
 
 from __future__ import annotations
 
@@ -108,21 +101,16 @@ def canonical_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _objective(name: str) -> Any:
-    """The registered objective of a name or alias (raises naming the valid ones)."""
-    from trustclip.objectives.registry import resolve_name  # imports torch: not before a name is resolved
-
-    return resolve_name(name)
-
-
 # ------------------------------------------------------------------------------------------------ parsing
 def parse_entry(item: str) -> Entry:
     """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]', spec)."""
+    from trustclip.objectives.registry import resolve_name  # imports torch: not before a name is resolved
+
     match = re.fullmatch(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?", re.sub(r"\s+", "", item))
     if match is None:
         raise ValueError(f"objective {item!r}: expected NAME or NAME[KEY=VALUE,...], e.g. clip[epsilon=0.3]")
     name, inner = match.groups()
-    spec, kwargs = _objective(name), {}
+    spec, kwargs = resolve_name(name), {}
     for pair in (inner.split(",") if inner is not None else []):
         key, sep, raw = pair.partition("=")
         if not sep or not key or not raw:
@@ -275,11 +263,12 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], given: dict[str, An
               value: Any, root: Path) -> RunSpec:
     """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
     from trustclip.objectives import get_objective
+    from trustclip.objectives.registry import resolve_name
     from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted
 
     option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
     kwargs = _objective_kwargs(entry, given, {sweep.key: value} if sweep is not None and not option else {})
-    ours = base["rl"].get("objective") and _objective(base["rl"]["objective"]).name == entry.spec.name
+    ours = base["rl"].get("objective") and resolve_name(base["rl"]["objective"]).name == entry.spec.name
     recipe = dict(base["rl"].get("objective_kwargs") or {}) if ours else {}  # the recipe's, for its own objective
     try:
         objective = get_objective(entry.name, **(recipe | kwargs))
@@ -316,13 +305,12 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], given: dict[str, An
                    folder=re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts)))
 
 
-def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *,
-              recipe: str | Path | None = None, overrides: Sequence[str] = (), sweep: Sweep | None = None,
-              hparams: dict[str, dict[str, Any]] | None = None, base: dict[str, Any] | None = None,
-              share_sft: bool = True) -> list[RunSpec]:
+def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *, overrides: Sequence[str] = (),
+              sweep: Sweep | None = None, hparams: dict[str, dict[str, Any]] | None = None,
+              base: dict[str, Any] | None = None, share_sft: bool = True) -> list[RunSpec]:
     """Every run of the comparison, seed-major (all groups of seed 0 first, so a stopped compare already has
     complete seeds), each validated; with `share_sft`, each seed's SFT run comes first. `base` (a TrainConfig dict)
-    replaces recipe + overrides. Raises ValueError on any bad input."""
+    replaces the embedded default + `overrides`. Raises ValueError on any bad input."""
     entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")
@@ -332,7 +320,7 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
         have = "; ".join(f"{e.label}: {', '.join(e.spec.params) or 'none'}" for e in entries)
         raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
-    hparams, base = hparams or {}, base if base is not None else base_config(recipe, overrides)
+    hparams, base = hparams or {}, base if base is not None else base_config(None, overrides)
     root = Path(root)
     runs = [_make_run(entry, seed, base, hparams.get(entry.name, {}), swept, value, root)
             for seed in seeds for entry, swept in groups for value in (swept.values if swept else (None,))]

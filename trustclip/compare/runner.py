@@ -1,14 +1,7 @@
-"""A comparison's runs, resumable, `jobs` at a time. A run is one worker process (this module as __main__, `RUN_DIR
-THREADS [--resume]`, from the compare's own package) that trains RUN_DIR/run_spec.json's config into RUN_DIR as
-`trustclip train --config ... [--resume]` would (RL from the shared SFT model), then writes `run_complete.json`.
-(Not the train CLI itself: its --resume reads the config.yaml that the real pipeline writes and the tests'
-`--pipeline` stand-in does not.)
-
-A finished run (run_complete.json with its fingerprint, a readable summary.json) is never redone; an unfinished one
-continues with the trainer's resume. One compare at a time per pool (POOL/.compare.lock, inherited by the workers: a
-rerun cannot start while a killed compare's workers still write). Ctrl-C or SIGTERM stops the workers' process groups; a
-worker whose compare is gone (SIGKILL) kills its own group. Starts, finishes, failures: `compare_log.jsonl`.
-"""
+"""A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) that trains
+RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would, then marks it complete.
+Not the train CLI itself: its --resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline`
+stand-in does not."""
 
 from __future__ import annotations
 
@@ -90,7 +83,8 @@ def prepare_run_dir(spec: RunSpec, resume_partial: bool, pipeline: str | None = 
 
 
 def acquire_compare_lock(root: Path) -> Any:
-    """The pool's lock (an open file; closing it releases it); raises if a compare, or its workers, hold it."""
+    """The pool's lock (an open file; closing it releases it); raises if a compare, or its workers, hold it. The workers
+    inherit it, so that a rerun cannot start while a killed compare's workers still write."""
     handle = try_lock(Path(root) / COMPARE_LOCK)
     if handle is None:
         holder = (Path(root) / COMPARE_LOCK).read_text().strip() or "?"
@@ -115,11 +109,9 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             progress_every: float = 30.0) -> Execution:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
-    (SFT runs first; an RL run waits for a free slot and for its SFT run to end); events go to `log_dir` (default
-    `root`). One thread polls the workers, so nothing is shared. Safe to call again after any interruption."""
-    for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
+    (SFT runs first; an RL run waits for a free slot and for its SFT run to end); starts, finishes and failures go to
+    `log_dir` (default `root`)/compare_log.jsonl. One thread polls the workers, so nothing is shared. Safe to call
+    again after any interruption (CompareSettings checks the numbers)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
