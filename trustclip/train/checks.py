@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import inspect
 import os
 import re
 import tempfile
@@ -23,7 +22,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK,
 from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, load_prompts, parse_benchmark_spec, select_rows
 from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 from trustclip.files import read_json
-from trustclip.models import TINY_MODEL_NAME, build_tiny_model, check_model_name, is_saved_model
+from trustclip.models import TINY_MODEL_NAME, TinyModelConfig, check_model_name, is_saved_model
 from trustclip.precision import resolve_bf16
 from trustclip.train.config import TrainConfig, changed_settings, read_run_config
 from trustclip.train.data import load_rows
@@ -96,8 +95,7 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
     """A local checkpoint folder (config.json or adapter_config.json), a hub id (in the local cache when
     HF_HUB_OFFLINE is set), or `builtin:tiny` with `tiny` a valid shape."""
     if name == TINY_MODEL_NAME:
-        params = inspect.signature(build_tiny_model).parameters
-        shape = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"cache_dir", "overwrite"}
+        shape = {f.name for f in dataclasses.fields(TinyModelConfig)}
         if unknown := sorted(set(tiny or {}) - shape):
             raise ValueError(f"model.tiny: unknown key(s) {unknown}; valid: {', '.join(sorted(shape))}")
         if bad := {k: v for k, v in (tiny or {}).items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}:
