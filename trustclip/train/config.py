@@ -268,8 +268,7 @@ class TrainConfig:
     eval: EvalArgs = field(default_factory=EvalArgs)
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.stages if s not in STAGES]
-        check(not bad, "stages", self.stages, f"a subset of {list(STAGES)}")
+        check(set(self.stages) <= set(STAGES), "stages", self.stages, f"a subset of {list(STAGES)}")
         check(len(set(self.stages)) == len(self.stages), "stages", self.stages, "without repeats")
         check(bool(self.output_dir.strip()), "output_dir", self.output_dir, "a directory path")
         self.stages = [s for s in STAGES if s in self.stages]  # always run in pipeline order
@@ -419,11 +418,13 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return deep_merge(load_yaml(path.parent / base, (*_seen, path.resolve())), data)
 
 
-def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[str, ...] | None = None
+# Mappings that are values, not sections: a recipe's objective_kwargs replaces its base's.
+REPLACED_MAPPINGS = ("objective_kwargs", "trl_kwargs")
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[str, ...] = REPLACED_MAPPINGS
                ) -> dict[str, Any]:
-    """Sections merge key by key; any other value (lists, and the mappings `replaced`: objective_kwargs and
-    trl_kwargs unless told otherwise) is replaced."""
-    replaced = REPLACED_MAPPINGS if replaced is None else replaced
+    """Sections merge key by key; any other value (lists, and the mappings `replaced`) is replaced."""
     out = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in replaced:
@@ -431,10 +432,6 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[s
         else:
             out[key] = value
     return out
-
-
-# Mappings that are values, not sections: a recipe's objective_kwargs replaces its base's.
-REPLACED_MAPPINGS = ("objective_kwargs", "trl_kwargs")
 
 
 def own_objective_defaults(data: dict[str, Any]) -> None:
