@@ -1,9 +1,6 @@
-"""Names under which trainer integrations log the policy-objective metrics (one place, no heavy imports).
-
-`trustclip.compute_policy_loss` returns plain keys (`clip_frac_low`, `ratio_max`, ...). Trainers log each
-under `objective/<key>`, and additionally under the name the host framework already uses for the same
-quantity, so existing dashboards keep working; the verl plugin maps its metrics with `VERL_NAMES`.
-"""
+"""Names under which trainers log metrics (one place, no heavy imports). `trustclip.compute_policy_loss` returns
+plain keys (`clip_frac_low`, ...): trainers log each as `objective/<key>`, and also under the name the host framework
+uses for the same quantity, so existing dashboards keep working."""
 
 from __future__ import annotations
 

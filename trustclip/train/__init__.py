@@ -5,7 +5,7 @@ pipeline SFT for format -> RLVR -> evaluation.
     summary = run_pipeline(load_config("recipes/qwen3_1.7b_atr.yaml", ["rl.max_steps=10"], output_dir="runs/x"))
 
 `run_pipeline(config) -> dict` writes everything into `config.output_dir` (see `trustclip.train.pipeline`);
-`check_run(config)` checks everything a run needs without doing any of it (the pipeline's first step).
+`check_run(config)`, its first step, checks everything the run needs without doing any of it.
 """
 
 from trustclip.train.checks import check_run

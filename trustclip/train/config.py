@@ -1,36 +1,35 @@
-"""Configuration of `trustclip train`: dataclasses (HF style, every field documented in its metadata), loaded
-from a YAML recipe and overridden with `--set section.key=value`.
+"""Configuration of `trustclip train`: dataclasses (every field documented in its metadata), loaded from a YAML
+recipe and overridden with `--set section.key=value`. The defaults are the embedded CPU run (`trustclip train`
+with no arguments); recipes in `recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
 
-The defaults are the embedded CPU run (`trustclip train` with no arguments): a tiny Qwen3 model on the
-built-in arithmetic task, SFT for format, ATR-GRPO (`kl3`, delta 0.07), evaluation before and after.
-Recipes in `recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
-
-Parsing and type checking are pydantic's (`from_dict`): nested sections, unknown keys, strict types (no bool for
-an int, no string for a number), finite floats, with the dotted name of every bad key. HF's `HfArgumentParser` /
-TRL's `TrlParser` do not fit this layout: they give each dataclass field one flat `--name` (the SFT and RL
-sections share `learning_rate`, `max_steps`, ...), parse dict-valued fields only as JSON strings, and their
-`parse_dict` builds the dataclass without converting or checking any value.
+Parsing and type checking are pydantic's (`from_dict`). HF's `HfArgumentParser` / TRL's `TrlParser` do not fit
+this layout: they give each dataclass field one flat `--name` (the SFT and RL sections share `learning_rate`,
+`max_steps`, ...), parse dict-valued fields only as JSON strings, and their `parse_dict` converts and checks no value.
 
 Each setting is declared once: the fields TRL's `SFTConfig` and trustclip's `TrustClipGRPOConfig` read are theirs
-(the sections take their help, type and default, and the embedded run's own values are one visible recipe,
-`SFT_RECIPE` / `RL_RECIPE`), the evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand every
-field of the same name to TRL (`trustclip.train.stages`).
+(help, type and default; the embedded run's own values are one visible recipe, `SFT_RECIPE` / `RL_RECIPE`), the
+evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand every field of the same name to TRL.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import re
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr
+import yaml
+from pydantic import StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
 from trl import SFTConfig
 
+from trustclip.data.synthetic import LEVELS
+from trustclip.data.templates import resolve_template
 from trustclip.evaluation.config import EvalArgs
 from trustclip.models import TinyModelConfig
 from trustclip.options import STRICT, check, option
@@ -107,17 +106,12 @@ class DataArgs:
                                                    "99).")
 
     def __post_init__(self) -> None:
-        from trustclip.data.synthetic import LEVELS
-        from trustclip.data.templates import resolve_template
-
         _positive(self, "data", ("builtin_n_train", "builtin_n_eval"))
         check(self.builtin_max_operand is None or self.builtin_max_operand >= 9, "data.builtin_max_operand",
                self.builtin_max_operand, ">= 9 (or null)")
         check(bool(self.builtin_train_levels) and set(self.builtin_train_levels) <= set(LEVELS),
                "data.builtin_train_levels", self.builtin_train_levels, f"a non-empty list of levels {sorted(LEVELS)}")
-        for name in ("train_limit", "eval_limit"):
-            value = getattr(self, name)
-            check(value is None or value >= 1, f"data.{name}", value, ">= 1 (or null)")
+        _positive(self, "data", ("train_limit", "eval_limit"), nullable=True)
         check(bool(self.eval), "data.eval", self.eval, "at least one benchmark")
         try:
             resolve_template(self.prompt_style)
@@ -214,8 +208,7 @@ class SFTArgs:
 
     def __post_init__(self) -> None:
         _check_optimizer(self, "sft")
-        check(self.limit is None or self.limit >= 1, "sft.limit", self.limit, ">= 1 (or null)")
-        check(self.max_length is None or self.max_length >= 1, "sft.max_length", self.max_length, ">= 1 (or null)")
+        _positive(self, "sft", ("limit", "max_length"), nullable=True)
 
 
 @dataclass
@@ -243,10 +236,7 @@ class RLArgs:
         check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
         check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
         check(self.num_generations >= 2, "rl.num_generations", self.num_generations, ">= 2 (a group needs a baseline)")
-        check(self.steps_per_generation is None or self.steps_per_generation >= 1, "rl.steps_per_generation",
-               self.steps_per_generation, ">= 1 (or null)")
-        check(self.save_total_limit is None or self.save_total_limit >= 1, "rl.save_total_limit",
-               self.save_total_limit, ">= 1 (or null)")
+        _positive(self, "rl", ("steps_per_generation", "save_total_limit"), nullable=True)
         own = sorted(set(self.trl_kwargs) & {f.name for f in dataclasses.fields(self)})
         check(not own, "rl.trl_kwargs", self.trl_kwargs, f"free of rl options ({', '.join(own)}: set rl.<name>)")
         shared = sorted(set(self.trl_kwargs) & set(RUN_WIDE))  # set once for every stage, at the top level
@@ -278,8 +268,7 @@ class TrainConfig:
     eval: EvalArgs = field(default_factory=EvalArgs)
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.stages if s not in STAGES]
-        check(not bad, "stages", self.stages, f"a subset of {list(STAGES)}")
+        check(set(self.stages) <= set(STAGES), "stages", self.stages, f"a subset of {list(STAGES)}")
         check(len(set(self.stages)) == len(self.stages), "stages", self.stages, "without repeats")
         check(bool(self.output_dir.strip()), "output_dir", self.output_dir, "a directory path")
         self.stages = [s for s in STAGES if s in self.stages]  # always run in pipeline order
@@ -294,26 +283,22 @@ class TrainConfig:
         return "eval" in self.stages or ("rl" in self.stages and self.rl.eval_every > 0)
 
 
-# ------------------------------------------------------------------ validation helpers
-def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
+def _positive(obj: Any, section: str, names: tuple[str, ...], *, nullable: bool = False) -> None:
+    """Each option named is an integer >= 1 (`nullable`: or null)."""
     for name in names:
         value = getattr(obj, name)
-        check(isinstance(value, int) and value >= 1, f"{section}.{name}", value, "an integer >= 1")
+        if not (nullable and value is None):
+            check(isinstance(value, int) and value >= 1, f"{section}.{name}", value,
+                  ">= 1 (or null)" if nullable else "an integer >= 1")
 
 
 # ------------------------------------------------------------------ dict <-> dataclass
-@functools.cache
-def _adapter(cls: type) -> Any:
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(cls)
+_adapter = functools.cache(TypeAdapter)
 
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:
     """Build dataclass `cls` from a (nested) dict: a section given in part keeps the defaults of the rest, any other
     value replaces its default. Raises ValueError naming every bad key (unknown, wrong type, invalid value)."""
-    from pydantic import ValidationError
-
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a mapping of options, got {type(data).__name__} ({data!r})")
     try:
@@ -368,13 +353,10 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def get_dotted(data: dict[str, Any], key: str) -> Any:
-    node: Any = data
-    for part in key.split("."):
-        node = node[part]
-    return node
+    return functools.reduce(operator.getitem, key.split("."), data)
 
 
-class _YamlLoader(__import__("yaml").SafeLoader):
+class _YamlLoader(yaml.SafeLoader):
     """YAML 1.1 as PyYAML reads it, plus YAML 1.2's floats without a dot (`1e-5`), which it reads as strings."""
 
 
@@ -387,8 +369,6 @@ _YamlLoader.add_implicit_resolver(
 
 def yaml_load(text: str) -> Any:
     """`text` as YAML (`_YamlLoader`); ValueError with the parser's message on one line if it is not."""
-    import yaml
-
     try:
         return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
@@ -438,11 +418,13 @@ def load_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     return deep_merge(load_yaml(path.parent / base, (*_seen, path.resolve())), data)
 
 
-def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[str, ...] | None = None
+# Mappings that are values, not sections: a recipe's objective_kwargs replaces its base's.
+REPLACED_MAPPINGS = ("objective_kwargs", "trl_kwargs")
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[str, ...] = REPLACED_MAPPINGS
                ) -> dict[str, Any]:
-    """Sections merge key by key; any other value (lists, and the mappings `replaced`: objective_kwargs and
-    trl_kwargs unless told otherwise) is replaced."""
-    replaced = REPLACED_MAPPINGS if replaced is None else replaced
+    """Sections merge key by key; any other value (lists, and the mappings `replaced`) is replaced."""
     out = dict(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in replaced:
@@ -452,28 +434,22 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[s
     return out
 
 
-# Mappings that are values, not sections: a recipe's objective_kwargs replaces its base's.
-REPLACED_MAPPINGS = ("objective_kwargs", "trl_kwargs")
-
-
-def own_objective_defaults(data: dict[str, Any]) -> dict[str, Any]:
+def own_objective_defaults(data: dict[str, Any]) -> None:
     """A layer of settings (a recipe file, a `--set`) that names `rl.objective` without `rl.objective_kwargs` means
     that objective at its own defaults: the kwargs of the objective it replaces (the embedded default's delta 0.07,
     a base recipe's) do not carry over."""
     rl = data.get("rl")
     if isinstance(rl, dict) and "objective" in rl and "objective_kwargs" not in rl:
         rl["objective_kwargs"] = {}
-    return data
 
 
 def explicit_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
                       objective: str | None = None, reset_objective_kwargs: bool = True,
                       **top_level: Any) -> dict[str, Any]:
-    """What a command line states, as a nested dict (no defaults): the recipe; then `objective` or `--set
-    rl.objective=NAME` (the same: rl.objective, with its hyper-parameters back to the objective's own defaults unless
-    `reset_objective_kwargs` is False, as on resume); then the other `--set` overrides (so that
-    `--set rl.objective_kwargs.delta=0.1` applies to the new objective, in any order); then explicit top-level values
-    (dotted keys, e.g. output_dir=...; None means not given)."""
+    """What a command line states, as a nested dict (no defaults), in this order: the recipe; `objective` or `--set
+    rl.objective=NAME` (its hyper-parameters reset to the objective's own unless `reset_objective_kwargs` is False, as
+    on resume); the other `--set` overrides (so `rl.objective_kwargs.delta=0.1` applies to the new objective);
+    `top_level` values (dotted keys; None: not given)."""
     data = load_yaml(path) if path else {}
     parsed = [parse_override(text) for text in overrides]
     named = [value for key, value in parsed if key == "rl.objective"]
@@ -536,36 +512,25 @@ def read_run_config(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted names of the options `data` sets (a mapping-valued option such as rl.objective_kwargs is one name)."""
-    keys = []
-    for key, value in data.items():
-        if isinstance(value, dict) and dataclasses.is_dataclass(_field_hint(prefix + key)):
-            keys += _leaf_keys(value, f"{prefix}{key}.")
+def _options(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """(dotted name, value, field) of every option of the dataclass `obj` (a mapping such as rl.objective_kwargs is
+    one option)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _options(value, f"{prefix}{f.name}.")
         else:
-            keys.append(prefix + key)
-    return keys
+            yield prefix + f.name, value, f
 
 
 def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
     """`key=value (the run has value)` for each option whose value in `config` differs from the saved run's
     (RUN_CONTROL aside): what a resumed run may not change."""
-    now, before = config.to_dict(), from_dict(TrainConfig, saved).to_dict()
-    return [f"{key}={get_dotted(now, key)!r} (the run has {get_dotted(before, key)!r})" for key in _leaf_keys(now)
-            if key.split(".")[0] not in RUN_CONTROL and get_dotted(now, key) != get_dotted(before, key)]
+    before = {name: value for name, value, _ in _options(from_dict(TrainConfig, saved))}
+    return [f"{name}={value!r} (the run has {before[name]!r})" for name, value, _ in _options(config)
+            if name.split(".")[0] not in RUN_CONTROL and value != before[name]]
 
 
 def option_table() -> list[tuple[str, str, str]]:
     """(dotted name, default, help) of every option, for `--help`."""
-    rows = []
-
-    def walk(obj: Any, prefix: str) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{prefix}{f.name}.")
-            else:
-                rows.append((prefix + f.name, repr(value), f.metadata.get("help", "")))
-
-    walk(TrainConfig(), "")
-    return rows
+    return [(name, repr(value), f.metadata.get("help", "")) for name, value, f in _options(TrainConfig())]

@@ -17,21 +17,29 @@ the main process's job, the others wait.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+import yaml
+from accelerate import PartialState
+
+from trustclip.evaluation.evaluator import evaluate
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
 from trustclip.train.checks import check_run
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
-from trustclip.train.stages import load_policy, rl_rows, run_eval, run_rl, run_sft, sft_rows
+from trustclip.train.plots import plot_training_curves
+from trustclip.train.stages import eval_config, load_policy, rl_rows, run_rl, run_sft, sft_rows
 
 STAGE_ORDER = ("sft", "eval_before", "rl", "eval_after")
 # What a stage's fresh re-run invalidates (itself and everything downstream of its model).
@@ -42,14 +50,12 @@ class Run:
     """Paths, persistent stage state (state.json) and printing of one pipeline run."""
 
     def __init__(self, config: TrainConfig, printer: Callable[[str], None] | None = None) -> None:
-        import torch
-        from accelerate import PartialState
-
         self.config, self.out = config, Path(config.output_dir)
         # cpu=True on a CPU-only machine: the first PartialState fixes the backend (gloo) for the trainers too.
         self.dist = PartialState(cpu=not torch.cuda.is_available())
         self.main = self.dist.is_main_process
-        self._printer = printer or _flush_print
+        # flushed: progress must show up promptly even when stdout is a pipe or a file
+        self._printer = printer or functools.partial(print, flush=True)
         path = self.out / "state.json"
         self.state: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
         self.ran: dict[str, float] = {}  # stages finished by this process
@@ -92,8 +98,6 @@ def prepare_output_dir(run: Run) -> None:
             if run.main:
                 _remove_stage_files(out, stage)
     if run.main and not config.resume:  # a resumed run keeps the config.yaml it was started with
-        import yaml
-
         write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     run.save_state()
     run.dist.wait_for_everyone()
@@ -116,11 +120,13 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     only then is a model loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
     t_start = time.perf_counter()
     check_run(config)
-    data = load_stage_data(config)
+    stages = config.stages
+    sft_data = sft_rows(config) if "sft" in stages else None
+    rl_data = rl_rows(config) if "rl" in stages else None
+    benchmarks = load_benchmarks(config) if config.evaluates else None
     _quiet_libraries()
     run = Run(config, printer)
     prepare_output_dir(run)
-    stages = config.stages
     sft_final, rl_final = run.out / "sft" / "final", run.out / "rl" / "final"
     start = sft_final if run.done("sft") and is_saved_model(sft_final) else config.model.name_or_path
     run.print(f"trustclip train: stages {', '.join(stages)} -> {run.out}")
@@ -129,11 +135,10 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     if "sft" in stages and not run.done("sft"):
         t = time.perf_counter()
         run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
-        model = run_sft(model, tokenizer, config, run.out, run.print, rows=data.sft)
+        model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data)
         _save(run, model, tokenizer, sft_final)
         run.finish("sft", time.perf_counter() - t, model=str(sft_final))
 
-    benchmarks = data.benchmarks
     if "eval" in stages and not run.done("eval_before"):
         _evaluate(run, "before", model, tokenizer, benchmarks)
 
@@ -143,7 +148,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
                   f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
         periodic = _periodic_eval(run, tokenizer, benchmarks) if benchmarks else None
-        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic, rows=data.rl)
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic, rows=rl_data)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if run.main:
             trainer.save_model(str(rl_final))
@@ -166,22 +171,6 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     return summary
 
 
-@dataclass
-class StageData:
-    """The rows of every stage that will run, read and validated before any model is loaded."""
-
-    sft: list[dict[str, Any]] | None
-    rl: list[dict[str, Any]] | None
-    benchmarks: dict[str, list[dict[str, Any]]] | None
-
-
-def load_stage_data(config: TrainConfig) -> StageData:
-    stages = config.stages
-    return StageData(sft=sft_rows(config) if "sft" in stages else None,
-                     rl=rl_rows(config) if "rl" in stages else None,
-                     benchmarks=load_benchmarks(config) if config.evaluates else None)
-
-
 def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
     if run.main:
         model.save_pretrained(str(folder))
@@ -194,11 +183,10 @@ def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
 
 def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict) -> None:
     t = time.perf_counter()
-    result = None
     if run.main:
         names = ", ".join(benchmarks)
         run.print(f"[eval] {when}: {names} (Mean@{run.config.eval.k}, T={run.config.eval.temperature})")
-        result = run_eval(model, tokenizer, benchmarks, run.config)
+        result = evaluate(model, tokenizer, benchmarks, eval_config(run.config))
         key = f"mean@{run.config.eval.k}"
         stats = result.completion_stats.get(AVERAGE, {})
         run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
@@ -210,8 +198,7 @@ def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict)
 
 def _periodic_eval(run: Run, tokenizer: Any, benchmarks: dict) -> Callable[[Any, int], dict[str, float]]:
     def evaluate_now(model: Any, step: int) -> dict[str, float]:
-        result = run_eval(model, tokenizer, benchmarks, run.config, step=step)
-        return result.flat_metrics("eval/")
+        return evaluate(model, tokenizer, benchmarks, eval_config(run.config), step=step).flat_metrics("eval/")
 
     return evaluate_now
 
@@ -238,8 +225,6 @@ def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
 
 
 def _plots(run: Run) -> None:
-    from trustclip.train.plots import plot_training_curves
-
     try:
         paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", title=run.config.rl.objective)
         run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
@@ -262,20 +247,13 @@ def print_table(summary: dict[str, Any], printer: Callable[[str], None] = print)
     printer("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in seconds.items()))
 
 
-def _flush_print(message: str) -> None:
-    print(message, flush=True)  # progress must show up promptly even when stdout is a pipe or a file
-
-
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _quiet_libraries() -> None:
     """Our own progress lines replace the libraries' bars and per-step dict printing."""
-    import warnings
-
     import datasets
-    import transformers
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()

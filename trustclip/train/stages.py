@@ -6,34 +6,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import struct
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.trainer_callback import PrinterCallback
+from transformers.trainer_callback import ProgressCallback as HFProgress
+from trl import SFTConfig
+
+from trustclip.data import build_prompt_rows, sft_examples
+from trustclip.evaluation.config import EvalConfig
 from trustclip.files import read_json
+from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
+from trustclip.precision import resolve_bf16
+from trustclip.rewards import CorrectnessReward
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_rows
+from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
 Printer = Callable[[str], None]
 
 
 # ------------------------------------------------------------------ models
-def accelerator_kwargs(config: TrainConfig) -> dict[str, Any]:
-    """Trainer precision / device flags: the GPU if there is one, and the run's `bf16` (`trustclip.precision`)."""
-    import torch
-
-    from trustclip.precision import resolve_bf16
-
-    return {"bf16": resolve_bf16(config.bf16), "use_cpu": not torch.cuda.is_available()}
-
-
 def model_dtype(config: TrainConfig) -> Any:
     """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
-    import torch
-
     if config.model.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
     return getattr(torch, config.model.dtype)
@@ -41,15 +41,11 @@ def model_dtype(config: TrainConfig) -> Any:
 
 def load_policy(name_or_path: str | Path, config: TrainConfig) -> tuple[Any, Any]:
     """Model and tokenizer from a hub id, a local checkpoint, a saved LoRA adapter, or `builtin:tiny`."""
-    from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
-
     if str(name_or_path) == TINY_MODEL_NAME and config.model.tiny:
         name_or_path = build_tiny_model(**config.model.tiny)  # cached per shape
     path = Path(str(name_or_path))
     kwargs = {"dtype": model_dtype(config), "trust_remote_code": config.model.trust_remote_code}
     if (path / "adapter_config.json").is_file():
-        import json
-
         from peft import PeftModel
 
         base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -68,17 +64,13 @@ def lora_config(config: TrainConfig) -> Any:
                       target_modules=list(m.lora_target_modules), task_type="CAUSAL_LM")
 
 
-def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, max_steps: int, out: Path,
-                   printer: Printer) -> None:
+def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, out: Path, printer: Printer) -> None:
     """Replace the Trainer's tqdm / dict printing by metrics.jsonl + compact progress lines."""
-    from transformers.trainer_callback import PrinterCallback
-    from transformers.trainer_callback import ProgressCallback as HFProgress
-
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(HFProgress)
     trainer.add_callback(JsonlMetricsCallback(out / "metrics.jsonl", stage))
     if not config.quiet:
-        trainer.add_callback(ProgressCallback(stage, every=max(1, max_steps // 15), printer=printer))
+        trainer.add_callback(ProgressCallback(stage, every=getattr(config, stage).max_steps // 15, printer=printer))
 
 
 def last_checkpoint(folder: Path, printer: Printer = print) -> str | None:
@@ -100,8 +92,8 @@ def last_checkpoint(folder: Path, printer: Printer = print) -> str | None:
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a checkpoint folder cannot be resumed from, or None when it is complete: trainer_state.json (written
-    last) and every other JSON file parse, and every weight / state file is whole (safetensors: header and data
-    sizes add up; torch `.pt` / `.pth` / `.bin`: the zip archive's directory, written at its end, is there)."""
+    last) and every other JSON file parse, and every weight / state file is whole (safetensors checks its header
+    against the file's size; a torch `.pt` / `.pth` / `.bin` zip archive has its directory, written at its end)."""
     if not (folder / "trainer_state.json").is_file():
         return "trainer_state.json is missing"
     if not any(folder.glob("*.safetensors")) and not (folder / "pytorch_model.bin").is_file():
@@ -118,24 +110,21 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 def _whole_safetensors(path: Path) -> bool:
     try:
-        with path.open("rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-    except (OSError, ValueError, struct.error):
+        with safe_open(path, framework="pt"):
+            return True
+    except (OSError, SafetensorError):
         return False
-    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-    return path.stat().st_size == 8 + size + max(ends, default=0)
 
 
 def _trainer_args(config: TrainConfig, folder: Path, section: Any, trl_config: type) -> dict[str, Any]:
     """TrainingArguments of a stage: the section's fields that `trl_config` has (same names, handed over as they
-    are: one declaration), and the settings every stage shares."""
+    are: one declaration), and the settings every stage shares (the GPU if there is one, the run's `bf16`)."""
     same_name = {f.name for f in dataclasses.fields(trl_config)}
     return dict(
         {k: v for k, v in dataclasses.asdict(section).items() if k in same_name},
         output_dir=str(folder), seed=config.seed, report_to=config.report_to or "none", disable_tqdm=True,
         save_strategy="steps", activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
-        **accelerator_kwargs(config),
+        bf16=resolve_bf16(config.bf16), use_cpu=not torch.cuda.is_available(),
     )
 
 
@@ -156,27 +145,22 @@ def sft_rows(config: TrainConfig) -> list[dict[str, Any]]:
 
 def sft_config(config: TrainConfig, folder: Path) -> Any:
     """TRL's SFTConfig of the SFT stage (its own checks run here)."""
-    from trl import SFTConfig
-
     s = config.sft
     return SFTConfig(**_trainer_args(config, folder, s, SFTConfig), save_steps=max(1, s.max_steps // 2),
                      save_total_limit=1, logging_steps=max(1, s.max_steps // 30), completion_only_loss=True)
 
 
 def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-            rows: list[dict[str, Any]] | None = None) -> Any:
+            rows: list[dict[str, Any]]) -> Any:
     """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model."""
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from trustclip.data import sft_examples
-
-    examples = sft_examples(rows if rows is not None else sft_rows(config), tokenizer, style=config.data.prompt_style,
-                            system_prompt=config.data.system_prompt)
+    examples = sft_examples(rows, tokenizer, style=config.data.prompt_style, system_prompt=config.data.system_prompt)
     folder = out / "sft"
     trainer = SFTTrainer(model=model, args=sft_config(config, folder), train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
-    _quiet_trainer(trainer, "sft", config, config.sft.max_steps, out, printer)
+    _quiet_trainer(trainer, "sft", config, out, printer)
     trainer.train(resume_from_checkpoint=last_checkpoint(folder, printer) if config.resume else None)
     model = trainer.accelerator.unwrap_model(trainer.model)
     if config.model.lora:
@@ -188,8 +172,6 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
 def grpo_config(config: TrainConfig, folder: Path) -> Any:
     """TRL's GRPOConfig (with the objective) of the RL stage: every `rl` field GRPOConfig also has, by name, plus
     `rl.trl_kwargs`. Its checks (and TRL's, e.g. batch / G divisibility) run here."""
-    from trustclip.trainers import TrustClipGRPOConfig
-
     return TrustClipGRPOConfig(**_trainer_args(config, folder, config.rl, TrustClipGRPOConfig), **config.rl.trl_kwargs)
 
 
@@ -204,8 +186,6 @@ def rl_rows(config: TrainConfig) -> list[dict[str, Any]]:
 def rl_dataset(config: TrainConfig, tokenizer: Any, rows: list[dict[str, Any]] | None = None) -> Any:
     from datasets import Dataset
 
-    from trustclip.data import build_prompt_rows
-
     d = config.data
     rows = build_prompt_rows(rows if rows is not None else rl_rows(config), tokenizer, d.prompt_style,
                              system_prompt=d.system_prompt)
@@ -214,14 +194,11 @@ def rl_dataset(config: TrainConfig, tokenizer: Any, rows: list[dict[str, Any]] |
 
 def reward_function(config: TrainConfig) -> Any:
     """The binary verified reward, scoring answers exactly as the evaluation does (`data.answer_fallback`)."""
-    from trustclip.rewards import CorrectnessReward
-
     return CorrectnessReward(timeout=config.rl.reward_timeout, fallback=config.data.answer_fallback)
 
 
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-           periodic_eval: Callable[[Any, int], dict[str, float]] | None = None,
-           rows: list[dict[str, Any]] | None = None) -> Any:
+           periodic_eval: Callable[[Any, int], dict[str, float]] | None, rows: list[dict[str, Any]]) -> Any:
     """RLVR with the configured objective; returns the trainer (its model is the trained policy)."""
     from trustclip.trainers import TrustClipGRPOTrainer
 
@@ -230,7 +207,7 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
         model, reward_funcs=reward_function(config), args=grpo_config(config, folder),
         train_dataset=rl_dataset(config, tokenizer, rows), processing_class=tokenizer, peft_config=lora_config(config),
     )
-    _quiet_trainer(trainer, "rl", config, config.rl.max_steps, out, printer)
+    _quiet_trainer(trainer, "rl", config, out, printer)
     if periodic_eval is not None and config.rl.eval_every:
         trainer.add_callback(PeriodicEvalCallback(trainer, config.rl.eval_every, periodic_eval))
     checkpoint = last_checkpoint(folder, printer) if config.resume else None
@@ -243,17 +220,7 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
 # ------------------------------------------------------------------ evaluation
 def eval_config(config: TrainConfig) -> Any:
     """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
-    from trustclip.evaluation import EvalConfig
-    from trustclip.precision import resolve_bf16
-
     return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
                       prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
                       answer_fallback=config.data.answer_fallback,
                       reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)
-
-
-def run_eval(model: Any, tokenizer: Any, benchmarks: dict, config: TrainConfig, step: int | None = None) -> Any:
-    """Mean@K / Pass@K of the in-memory model on every benchmark (HF generate, same seed every time)."""
-    from trustclip.evaluation import evaluate
-
-    return evaluate(model, tokenizer, benchmarks, eval_config(config), step=step)
