@@ -31,6 +31,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -128,7 +129,7 @@ class Difference:
     def sd(self) -> float:
         return float(np.std(self.differences, ddof=1)) if self.n >= 2 else math.nan
 
-    @property
+    @cached_property  # a root search over n: the table, the sentences, the CSV and the JSON all read it
     def seeds_needed(self) -> int | None:
         return seeds_needed(self.mean, self.sd)
 
