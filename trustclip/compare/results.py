@@ -121,10 +121,10 @@ def load_run(spec: RunSpec) -> RunRecord:
     summary = read_json(spec.run_dir / "summary.json")
     if not isinstance(summary, dict):
         raise RunDataError(f"{spec.run_dir / 'summary.json'} is missing or unreadable")
-    name, _, k = str(summary.get("metric", "")).partition("@")
+    metric = str(summary.get("metric", ""))
+    name, _, k = metric.partition("@")
     if name != "mean" or not k.isdigit():
-        raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
-                           f"{str(summary.get('metric', ''))!r}")
+        raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got {metric!r}")
     after, before = (_eval_file(spec.run_dir / "eval" / f"{when}.json") for when in ("after", "before"))
     if after is None:
         raise RunDataError(f"{spec.run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "

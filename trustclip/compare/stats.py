@@ -62,10 +62,6 @@ def stat(values: Sequence[float]) -> Stat:
     return Stat(v, math.fsum(v) / len(v) if v else math.nan, float(np.std(v, ddof=1)) if len(v) >= 2 else math.nan)
 
 
-def _mean_se(d: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
-    return d.mean(axis=axis), d.std(axis=axis, ddof=1) / math.sqrt(d.shape[axis])
-
-
 def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
     """Studentised bootstrap interval of the mean of per-seed differences: t* = (mean* - mean) / se* per resample
     (`scipy.stats.bootstrap` draws them), interval [mean - q(1 - a/2) se, mean - q(a/2) se]. +-inf bounds when more
@@ -73,12 +69,12 @@ def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
     d = np.asarray(differences, float)
     if d.size < 2:
         raise ValueError(f"a paired interval needs at least 2 paired seeds, got {d.size}")
-    mean, se = _mean_se(d)
+    mean, se = d.mean(), sps.sem(d)
     if np.ptp(d) == 0:
         return float(d[0]), float(d[0])
 
     def t_star(sample: np.ndarray, axis: int = -1) -> np.ndarray:
-        m, s = _mean_se(sample, axis)
+        m, s = sample.mean(axis=axis), sps.sem(sample, axis=axis)
         spread = s > 1e-6 * se  # below: one seed repeated n times, up to rounding; t* = +-inf
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(spread, (m - mean) / s, np.select([m > mean, m < mean], [np.inf, -np.inf], 0.0))
