@@ -105,7 +105,7 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
     if d.verdict in ("higher", "lower"):
         return text + f": {d.verdict} than {d.reference}."
     needed = needed_text(d)
-    more = (f"about {needed} seeds would be needed to resolve a difference this size" if needed[0].isdigit()
+    more = (f"about {needed} seeds would be needed to resolve a difference this size" if d.seeds_needed
             else f"the seeds needed to resolve it are {needed}" + (" (more than we try)" if ">" in needed else ""))
     return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
