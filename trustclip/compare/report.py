@@ -72,8 +72,9 @@ def fmt_amount(x: float, o: Outcome = PRIMARY) -> str:
     return fmt(x, o.scale, o.digits, "+") + o.unit
 
 
-def fmt_interval(d: Difference, o: Outcome = PRIMARY) -> str:
-    return "n/a" if d.n < 2 else f"[{fmt(d.low, o.scale, o.digits, '+')}, {fmt(d.high, o.scale, o.digits, '+')}]"
+def fmt_interval(d: Difference, o: Outcome = PRIMARY, head: str = "") -> str:
+    """'[-0.4, +2.1]' in the outcome's unit, `head` inside the bracket ('n/a' below 2 seeds)."""
+    return "n/a" if d.n < 2 else f"[{head}{fmt(d.low, o.scale, o.digits, '+')}, {fmt(d.high, o.scale, o.digits, '+')}]"
 
 
 def fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
@@ -100,11 +101,11 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
     text = head + fmt_amount(d.mean, o)
     if d.n < 2:
         return text + f" on one paired seed (seed {d.seeds[0]}): no interval with one seed, nothing is claimed."
-    text += f" [{LEVEL:.0%} CI {fmt_interval(d, o)[1:-1]}], n = {d.n} paired seeds"
+    text += f" {fmt_interval(d, o, f'{LEVEL:.0%} CI ')}, n = {d.n} paired seeds"
     if d.verdict in ("higher", "lower"):
         return text + f": {d.verdict} than {d.reference}."
     needed = needed_text(d)
-    more = (f"about {needed} seeds would be needed to resolve a difference this size" if needed[0].isdigit()
+    more = (f"about {needed} seeds would be needed to resolve a difference this size" if d.seeds_needed
             else f"the seeds needed to resolve it are {needed}" + (" (more than we try)" if ">" in needed else ""))
     return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
@@ -144,7 +145,7 @@ def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome) -> 
     if d.n < 2:
         return text + f"{d.n} complete seed(s), no interval."
     text += (f"{fmt_amount(d.mean, o)} {f'per tenfold {key}' if log else f'per unit of {key}'} "
-             f"[{LEVEL:.0%} CI {fmt_interval(d, o)[1:-1]}], n = {d.n} (per seed: "
+             f"{fmt_interval(d, o, f'{LEVEL:.0%} CI ')}, n = {d.n} (per seed: "
              + ", ".join(fmt(v, o.scale, o.digits, "+") for v in d.differences) + ")")
     verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
     return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
@@ -251,9 +252,9 @@ def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, 
     """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
     return _table(["Group", "seeds", *(f"IQM {metric_title(m)} (%)" for m in metrics),
                    *(f"P(group > {reference}), {metric_title(m)}" for m in metrics)], [
-        [g.group, g.n, *(fmt_estimate(aggregates.get(g.group, {}).get("iqm", {}).get(m)) for m in metrics),
-         *("(reference)" if g.group == reference else
-           fmt_estimate(aggregates.get(g.group, {}).get("poi", {}).get(m), 1.0, 2) for m in metrics)]
+        [g.group, g.n, *(fmt_estimate(aggregates[g.group]["iqm"].get(m)) for m in metrics),
+         *("(reference)" if g.group == reference else fmt_estimate(aggregates[g.group]["poi"].get(m), 1.0, 2)
+           for m in metrics)]
         for g in groups])
 
 

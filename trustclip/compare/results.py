@@ -26,8 +26,8 @@ from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
 from trustclip.evaluation.metrics import AVERAGE
-from trustclip.files import read_json, read_jsonl
-from trustclip.train.plots import series_from_rows
+from trustclip.files import read_json
+from trustclip.train.plots import read_series
 
 OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
 SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log them): label, report summary, digits
@@ -121,10 +121,10 @@ def load_run(spec: RunSpec) -> RunRecord:
     summary = read_json(spec.run_dir / "summary.json")
     if not isinstance(summary, dict):
         raise RunDataError(f"{spec.run_dir / 'summary.json'} is missing or unreadable")
-    name, _, k = str(summary.get("metric", "")).partition("@")
+    metric = str(summary.get("metric", ""))
+    name, _, k = metric.partition("@")
     if name != "mean" or not k.isdigit():
-        raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got "
-                           f"{str(summary.get('metric', ''))!r}")
+        raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got {metric!r}")
     after, before = (_eval_file(spec.run_dir / "eval" / f"{when}.json") for when in ("after", "before"))
     if after is None:
         raise RunDataError(f"{spec.run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
@@ -132,21 +132,18 @@ def load_run(spec: RunSpec) -> RunRecord:
     metrics = (f"mean@{k}", f"pass@{k}")
     final, start = ({s: {m: float(v[m]) for m in metrics} for s, v in e["metrics"].items()} if e else None
                     for e in (after, before))
-    by_step: dict[int, dict[str, Any]] = {}
-    for row in read_jsonl(spec.run_dir / "metrics.jsonl"):
-        if row.get("stage") == "rl":  # a step logged twice (resumed run) keeps its last values
-            by_step.setdefault(int(row["step"]), {}).update(row)
+    series = read_series(spec.run_dir / "metrics.jsonl")  # a step logged twice (resumed run) keeps its last values
     history: dict[int, dict[str, dict[str, float]]] = {}
-    for step in sorted(by_step):  # periodic evaluations: eval/<split>/<metric>
-        for key, value in by_step[step].items():
-            split, _, metric = key.removeprefix("eval/").rpartition("/")
-            if key.startswith("eval/") and isinstance(value, int | float) and split and metric in metrics:
-                history.setdefault(step, {}).setdefault(split, {})[metric] = float(value)
+    for key, (steps, values) in series.items():  # periodic evaluations: eval/<split>/<metric>
+        split, _, metric = key.removeprefix("eval/").rpartition("/")
+        if key.startswith("eval/") and split and metric in metrics:
+            for step, value in zip(steps.tolist(), values.tolist(), strict=True):
+                history.setdefault(step, {}).setdefault(split, {})[metric] = value
     rl_steps = summary.get("rl_steps")
     history[rl_steps if isinstance(rl_steps, int) else max([*history, 0])] = final  # the last checkpoint
     best = {s: {m: max(h[s][m] for h in history.values() if m in h.get(s, {})) for m in metrics} for s in final}
     return RunRecord(spec, int(k), final, best, start, dict(sorted(history.items())),
-                     _average_curve(after.get("curves") or {}), series_from_rows(by_step.values()),
+                     _average_curve(after.get("curves") or {}), series,
                      {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
                      {w: e["completion_stats"] for w, e in (("final", after), ("before", before))
                       if e and e.get("completion_stats")})
@@ -267,12 +264,12 @@ def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[s
 def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
     """RL-start (SFT) metric per split over distinct seeds, and the largest disagreement between runs of the same
     seed (0 when SFT is deterministic per seed: every objective starts from the same model)."""
-    per_seed: dict[int, list[dict[str, dict[str, float]]]] = {}
-    for r in (r for g in groups for r in g.runs if r.before):
-        per_seed.setdefault(r.spec.seed, []).append(r.before)
-    spread = max((abs(a[s][metric] - b[s][metric]) for bs in per_seed.values() for a in bs for b in bs
-                  for s in splits if s in a and s in b), default=0.0)
-    return {s: stat([bs[0][s][metric] for bs in per_seed.values() if s in bs[0]]) for s in splits}, spread
+    starts: dict[str, dict[int, list[float]]] = {s: {} for s in splits}  # split -> seed -> its runs' RL starts
+    for g, s in ((g, s) for g in groups for s in splits):
+        for seed, value in g.values.get(f"before/{s}/{metric}", {}).items():
+            starts[s].setdefault(seed, []).append(value)
+    spread = max((max(v) - min(v) for by_seed in starts.values() for v in by_seed.values()), default=0.0)
+    return {s: stat([v[0] for v in by_seed.values()]) for s, by_seed in starts.items()}, spread
 
 
 def title_of(split: str) -> str:

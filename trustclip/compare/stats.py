@@ -31,6 +31,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -61,10 +62,6 @@ def stat(values: Sequence[float]) -> Stat:
     return Stat(v, math.fsum(v) / len(v) if v else math.nan, float(np.std(v, ddof=1)) if len(v) >= 2 else math.nan)
 
 
-def _mean_se(d: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
-    return d.mean(axis=axis), d.std(axis=axis, ddof=1) / math.sqrt(d.shape[axis])
-
-
 def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
     """Studentised bootstrap interval of the mean of per-seed differences: t* = (mean* - mean) / se* per resample
     (`scipy.stats.bootstrap` draws them), interval [mean - q(1 - a/2) se, mean - q(a/2) se]. +-inf bounds when more
@@ -72,12 +69,12 @@ def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
     d = np.asarray(differences, float)
     if d.size < 2:
         raise ValueError(f"a paired interval needs at least 2 paired seeds, got {d.size}")
-    mean, se = _mean_se(d)
+    mean, se = d.mean(), sps.sem(d)
     if np.ptp(d) == 0:
         return float(d[0]), float(d[0])
 
     def t_star(sample: np.ndarray, axis: int = -1) -> np.ndarray:
-        m, s = _mean_se(sample, axis)
+        m, s = sample.mean(axis=axis), sps.sem(sample, axis=axis)
         spread = s > 1e-6 * se  # below: one seed repeated n times, up to rounding; t* = +-inf
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(spread, (m - mean) / s, np.select([m > mean, m < mean], [np.inf, -np.inf], 0.0))
@@ -128,7 +125,7 @@ class Difference:
     def sd(self) -> float:
         return float(np.std(self.differences, ddof=1)) if self.n >= 2 else math.nan
 
-    @property
+    @cached_property  # a root search over n: the table, the sentences, the CSV and the JSON all read it
     def seeds_needed(self) -> int | None:
         return seeds_needed(self.mean, self.sd)
 
