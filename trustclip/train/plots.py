@@ -23,6 +23,11 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 }
 
 
+def read_series(path: str | Path, stage: str = "rl") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{metric: (steps, values)} of one stage's numeric metrics in a metrics.jsonl file."""
+    return series_from_rows(row for row in read_jsonl(path) if row.get("stage") == stage)
+
+
 def series_from_rows(rows: Iterable[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{metric: (steps, values)} of the numeric, finite metrics of logged rows, by step (a step logged twice,
     e.g. by a resumed run, keeps its last value)."""
@@ -56,7 +61,7 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, *, title
     """Write one PNG per panel plus `training_curves.png` (all four) of the RL stage; returns the paths written."""
     from trustclip.figures import figure_context, new_figure, save_figure, style_axes
 
-    series = series_from_rows(row for row in read_jsonl(metrics_path) if row.get("stage") == "rl")
+    series = read_series(metrics_path)
     if not series:
         raise ValueError(f"{metrics_path}: no RL metrics to plot")
     window = window or default_window(max(len(s[0]) for s in series.values()))
