@@ -87,6 +87,13 @@ def test_q_must_be_a_probability(name, q):
         tc.ratio_bounds(name, q=q)
 
 
+@pytest.mark.parametrize("q", [[], torch.tensor([])], ids=["list", "tensor"])
+def test_q_must_not_be_empty(q):
+    """An empty tensor was let through (its `size` is a method, so `size == 0` was never true)."""
+    with pytest.raises(ValueError, match="q is empty"):
+        tc.ratio_bounds("dcpo", q=q)
+
+
 def test_q_does_not_apply_to_constant_bounds():
     with pytest.raises(ValueError, match="objective 'kl3' has constant bounds; q does not apply"):
         tc.ratio_bounds("atr", q=0.5)

@@ -48,7 +48,7 @@ def check_probability(q, name: str = "q"):
             raise ValueError(f"{name} must be a probability in (0, 1], got {q!r}") from None
         bad = ~((values > 0) & (values <= 1))
         first = float(values[bad][0]) if bad.any() else None
-    if values.size == 0:
+    if len(values) == 0:  # (a tensor's `size` is a method: len works for both)
         raise ValueError(f"{name} is empty: give at least one probability in (0, 1]")
     if first is not None:
         raise ValueError(f"{name} must be a probability in (0, 1] (the old probability of the sampled token), "
