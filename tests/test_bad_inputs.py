@@ -144,3 +144,22 @@ def test_a_huge_number_in_a_data_file_names_file_and_line(tmp_path):
     path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "x", "answer": ' + HUGE + "}\n")
     with pytest.raises(DataFormatError, match=r"big\.jsonl:2: invalid JSON value \(Exceeds the limit"):
         load_prompts(path)
+
+
+@pytest.mark.parametrize("bad", [{"jobs": -1}, {"jobs": 0}, {"threads": 0}, {"run_timeout": 0.0}])
+def test_compare_execute_refuses_a_pool_that_could_never_run(bad, tmp_path):
+    """A library caller of `execute` (CompareSettings checks the CLI's flags): jobs <= 0 would wait forever."""
+    from trustclip.compare.runner import execute
+
+    with pytest.raises(ValueError, match="must be > 0"):
+        execute([], tmp_path, **bad)
+    assert not any(tmp_path.iterdir())
+
+
+def test_load_benchmarks_refuses_a_name_given_twice():
+    """A library caller that skipped check_run: the second benchmark must not silently replace the first."""
+    from trustclip.train.config import TrainConfig, from_dict
+    from trustclip.train.data import load_benchmarks
+
+    with pytest.raises(ValueError, match="benchmark name 'amc_like' given twice"):
+        load_benchmarks(from_dict(TrainConfig, {"data": {"eval": ["builtin", "amc_like=builtin:amc_like"]}}))

@@ -111,7 +111,10 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
     (SFT runs first; an RL run waits for a free slot and for its SFT run to end); starts, finishes and failures go to
     `log_dir` (default `root`)/compare_log.jsonl. One thread polls the workers, so nothing is shared. Safe to call
-    again after any interruption (CompareSettings checks the numbers)."""
+    again after any interruption."""
+    for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
+        if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
+            raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)

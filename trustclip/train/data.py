@@ -36,6 +36,9 @@ def _synthetic(seed: int, n_train: int, n_eval: int, levels: tuple[int, ...], ma
 def load_benchmarks(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
     """`data.eval` specs (checked by `checks.check_benchmarks`) -> {name: rows}. Built-in splits come from this run's
     synthetic task (its levels, operand range and seed); `data.eval_limit` applies last."""
-    d = config.data
-    return {bench.name: select_rows(load_rows(bench.source, config, split=d.eval_split), bench)[: d.eval_limit]
-            for spec in d.eval for bench in parse_benchmark_spec(spec)}
+    d, out = config.data, {}
+    for bench in (bench for spec in d.eval for bench in parse_benchmark_spec(spec)):
+        if bench.name in out:  # a library caller that skipped check_benchmarks: no benchmark silently replaced
+            raise ValueError(f"data.eval: benchmark name {bench.name!r} given twice")
+        out[bench.name] = select_rows(load_rows(bench.source, config, split=d.eval_split), bench)[: d.eval_limit]
+    return out
