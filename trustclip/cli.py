@@ -21,26 +21,20 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trustclip", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, help_text in COMMANDS.items():
-        # Subparsers are filled lazily in main(); --help on the root lists names only.
-        sub.add_parser(name, help=help_text, add_help=False)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
-        parser = build_parser()
+        parser = argparse.ArgumentParser(prog="trustclip", description=DESCRIPTION)
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, help_text in COMMANDS.items():  # a command's own options load when it runs: here, names only
+            sub.add_parser(name, help=help_text, add_help=False)
         if argv and not argv[0].startswith("-"):
             parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
         parser.parse_args(argv)  # handles --help
         parser.print_help()
         return 2
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(f"trustclip.commands.{name.replace('-', '_')}")
+    module = importlib.import_module(f"trustclip.commands.{name}")
     parser = argparse.ArgumentParser(prog=f"trustclip {name}", description=COMMANDS[name])
     module.add_arguments(parser)
     args = parser.parse_args(rest)

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
         if objective.spec.q_dependent:
             qs = args.q or [0.9, 0.5, 0.1, 0.01]
             rows = [{"q": q, "low": lo, "high": hi} for q in qs for lo, hi in [ratio_bounds(objective, q=q)]]
+        elif args.q:
+            raise ValueError(f"objective {objective.name!r} has constant bounds; --q does not apply")
         else:
-            if args.q:
-                raise ValueError(f"objective {objective.name!r} has constant bounds; --q does not apply")
             low, high = ratio_bounds(objective)
             rows = [{"low": low, "high": high}]
     except ValueError as err:

@@ -23,7 +23,7 @@ import argparse
 import sys
 import time
 import typing
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,13 @@ FLAGS = {"data.seed": "--data-seed", "data.eval_limit": "--limit"}  # any other 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from trustclip.train.config import option_table
+    from trustclip.train.config import _field_hint, option_table
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     example, _, details = __doc__.split("Example::", 1)[1].partition("\n\nA model")
     parser.description = "A model" + details
     parser.epilog = "Example::" + example
-    declared = {name: (default, text) for name, default, text in option_table()}
+    helps = {name: f"{text} ({name}; default: the run's, else {default})" for name, default, text in option_table()}
     parser.add_argument("--model", action="append", metavar="PATH_OR_HUB_ID",
                         help="checkpoint to evaluate; repeat for several checkpoints of a run (in training order); "
                              "default with --run: the run's final model")
@@ -53,42 +53,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="benchmark as NAME=FILE (.jsonl/.json/.parquet or a hub id), a bare FILE, or 'builtin' "
                              "(data.eval; default: the run's, else ['builtin'])")
     for key in OPTIONS:
-        flag, kind = FLAGS.get(key, "--" + key.rpartition(".")[2].replace("_", "-")), _declared_type(key)
-        default, text = declared[key]
-        text = f"{text} ({key}; default: the run's, else {default})"
-        if kind is bool:
-            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            parser.add_argument(flag, dest=key, type=kind, default=None, help=text,
-                                metavar=flag.lstrip("-").upper().replace("-", "_"))
+        flag, hint = FLAGS.get(key, "--" + key.rpartition(".")[2].replace("_", "-")), _field_hint(key)
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)  # `int | None`: int
+        how = ({"action": argparse.BooleanOptionalAction} if kind is bool
+               else {"type": kind, "metavar": flag.lstrip("-").upper().replace("-", "_")})
+        parser.add_argument(flag, dest=key, default=None, help=helps[key], **how)
     parser.add_argument("--top-k", type=int, default=None, help="top-k sampling (default off)")
     parser.add_argument("--output", type=Path, default=None, help="output directory (default outputs/eval-<time>)")
     parser.add_argument("--device", default=None, help="torch device for HF generation (default cuda if present)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
-def _declared_type(key: str) -> type:
-    """The type the option `key` declares (`int` for `int | None`): what argparse converts the flag's text to."""
-    from trustclip.train.config import TrainConfig
-
-    hint: Any = TrainConfig
-    for part in key.split("."):
-        hint = typing.get_type_hints(hint)[part]
-    return next((t for t in typing.get_args(hint) if t is not type(None)), hint)
-
-
 def find_run(path: str | Path) -> Path | None:
     """The `trustclip train` output directory holding `path` (its config.yaml and state.json), or None."""
     path = Path(path).expanduser()
-    if not path.exists():
-        return None
-    return next((p for p in (path, *path.resolve().parents)
-                 if (p / "config.yaml").is_file() and (p / "state.json").is_file()), None)
+    candidates = (path, *path.resolve().parents) if path.exists() else ()
+    return next((p for p in candidates if (p / "config.yaml").is_file() and (p / "state.json").is_file()), None)
 
 
 def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
-    """(the run whose settings apply, the models to evaluate)."""
+    """(the run whose settings apply, the models to evaluate, checked)."""
     from trustclip.models import is_saved_model
+    from trustclip.train.checks import check_model
 
     models = list(args.model or [])
     if args.run is not None:
@@ -108,12 +94,16 @@ def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
         if final is None:
             raise FileNotFoundError(f"--run {run}: no final model yet (rl/final or sft/final); give --model")
         models = [str(final)]
+    for model in models:
+        check_model(model, "--model")
     return run, models
 
 
 def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[str]]:
-    """The run's TrainConfig (or the declared defaults) with the flags given here on top, and notes on what
+    """The run's TrainConfig (or the declared defaults) with the flags given here on top, checked, and notes on what
     differs from the run."""
+    from trustclip.evaluation.generation import check_backend
+    from trustclip.train.checks import check_benchmarks
     from trustclip.train.config import TrainConfig, from_dict, get_dotted, read_run_config, set_dotted
 
     base = read_run_config(run / "config.yaml", "--run") if run is not None else {}
@@ -127,14 +117,23 @@ def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[
     old, now = from_dict(TrainConfig, base).to_dict(), config.to_dict()
     notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
              if run is not None and get_dotted(now, key) != get_dotted(old, key)]
+    check_benchmarks(config.data.eval, config)
+    check_backend(config.eval.backend)
     return config, notes
 
 
 def run(args: argparse.Namespace) -> int:
+    from trustclip.train.checks import check_device, check_writable_dir
     from trustclip.train.data import load_benchmarks
+    from trustclip.train.stages import eval_config
 
-    try:
-        run_dir, models, config, eval_config, notes = _prepare(args)
+    try:  # everything is checked before a model is loaded
+        run_dir, models = resolve_run(args)
+        config, notes = build_config(args, run_dir)
+        check_device(args.device)
+        if args.output is not None:
+            check_writable_dir(args.output, "--output ")
+        settings = replace(eval_config(config), top_k=args.top_k, show_progress=not args.no_progress)
         benchmarks = load_benchmarks(config)
     except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
@@ -147,16 +146,15 @@ def run(args: argparse.Namespace) -> int:
     if run_dir is not None:
         print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
-    print(f"benchmarks: {sizes}; K={eval_config.k}, n={eval_config.n}, T={eval_config.temperature}, "
-          f"max_new_tokens={eval_config.max_new_tokens}, seed={eval_config.seed}")
-    results = evaluate_checkpoints([_model_path(m, config) for m in models], benchmarks, eval_config,
+    print(f"benchmarks: {sizes}; K={settings.k}, n={settings.n}, T={settings.temperature}, "
+          f"max_new_tokens={settings.max_new_tokens}, seed={settings.seed}")
+    results = evaluate_checkpoints([_model_path(m, config) for m in models], benchmarks, settings,
                                    device=args.device, dtype=model_dtype(config))
     for result, name in zip(results, models, strict=True):
         result.model = name
-    output = args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S")
     meta = {"run": str(run_dir) if run_dir else None, "benchmarks": config.data.eval, "data_seed": config.data.seed,
             "limit": config.data.eval_limit, "overridden": notes}
-    paths = write_report(results, output, meta=meta)
+    paths = write_report(results, args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S"), meta=meta)
     print(format_table(results))
     stats = default_verifier().stats
     print(f"verification: {stats.timeouts} timeouts, {stats.errors} errors")
@@ -171,24 +169,3 @@ def _model_path(name: str, config: Any) -> str:
 
     return str(build_tiny_model(**config.model.tiny)) if name == TINY_MODEL_NAME else name
 
-
-def _prepare(args: argparse.Namespace) -> tuple[Path | None, list[str], Any, Any, list[str]]:
-    """Everything checked before a model is loaded: the run, the models, the settings, the benchmark sources, the
-    device and the output folder."""
-    import dataclasses
-
-    from trustclip.evaluation.generation import check_backend
-    from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
-    from trustclip.train.stages import eval_config
-
-    run_dir, models = resolve_run(args)
-    for model in models:
-        check_model(model, "--model")
-    config, notes = build_config(args, run_dir)
-    check_benchmarks(config.data.eval, config)
-    check_backend(config.eval.backend)
-    check_device(args.device)
-    if args.output is not None:
-        check_writable_dir(args.output, "--output ")
-    settings = dataclasses.replace(eval_config(config), top_k=args.top_k, show_progress=not args.no_progress)
-    return run_dir, models, config, settings, notes

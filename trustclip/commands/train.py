@@ -59,12 +59,9 @@ def build_config(args: argparse.Namespace):
     report_to = [s.strip() for s in args.report_to.split(",")] if args.report_to else None
     # On resume --objective (or --set rl.objective) only names the objective: its hyper-parameters are the run's.
     explicit = explicit_settings(args.config, list(args.overrides), objective=args.objective,
-                                 reset_objective_kwargs=not args.resume,
-                                 **{"output_dir": args.output_dir, "seed": args.seed, "stages": stages,
-                                    "report_to": report_to, "quiet": True if args.quiet else None})
-    if args.resume:
-        return resume_config(explicit)
-    return from_dict(TrainConfig, explicit)
+                                 reset_objective_kwargs=not args.resume, output_dir=args.output_dir, seed=args.seed,
+                                 stages=stages, report_to=report_to, quiet=True if args.quiet else None)
+    return resume_config(explicit) if args.resume else from_dict(TrainConfig, explicit)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from pydantic import StrictFloat, StrictInt, StrictStr
 
@@ -59,9 +58,7 @@ class EvalConfig(EvalArgs):
     system_prompt: str | None = None  # None: the chat template's default; "": an empty system turn
     reward_timeout: float = DEFAULT_TIMEOUT
     answer_fallback: bool = False  # True: no \boxed{} -> the last `Answer:` line / last number (trustclip.rewards)
-    answer_key: str = "answer"
     show_progress: bool = True
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,8 +1,5 @@
-"""Mean@K / Pass@K evaluation of causal LMs on math benchmarks (the paper's Table 2 protocol).
-
-Every problem gets `n_samples` (default K) samples; the unbiased estimator turns them into Pass@k and
-Mean@k for k = 1..n (the paper's Figure 4 curves). The sampling seed is recorded in the results.
-"""
+"""Mean@K / Pass@K of causal LMs on math benchmarks (the paper's Table 2 protocol): `n_samples` (default K) samples
+per problem, scored as the RL reward scores them, give the metrics at K and their curves over k = 1..n (Figure 4)."""
 
 from __future__ import annotations
 
@@ -47,13 +44,10 @@ class EvalResult:
 
 def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str, Any]]],
              config: EvalConfig | None = None, *, model_name: str | None = None, step: int | None = None,
-             verifier: Any = None, generate_fn: Any = None) -> EvalResult:
-    """Evaluate an in-memory model on `{name: rows}` (rows have `problem` and `answer`).
-
-    Callable from a trainer for periodic eval: the model's train/eval mode, the tokenizer's padding side
-    and the global torch RNG state are restored afterwards. `generate_fn(prompts) -> list[list[str | Sample]]`
-    replaces HF generation (vLLM, a server...); `verifier` is a `trustclip.rewards.MathVerifier`.
-    """
+             generate_fn: Any = None) -> EvalResult:
+    """Evaluate an in-memory model on `{name: rows}` (rows have `problem` and `answer`). Callable from a trainer for
+    periodic eval: the model's train/eval mode, the tokenizer's padding side and the global torch RNG state are
+    restored afterwards. `generate_fn(prompts) -> list[list[str | Sample]]` replaces HF generation (vLLM, a server)."""
     from trustclip.data.templates import format_prompt
     from trustclip.rewards import score_completions
 
@@ -72,22 +66,20 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     for name, rows in benchmarks.items():
         if not rows:
             raise ValueError(f"benchmark {name!r} has no rows")
-        prompts = [format_prompt(r["problem"], tokenizer, config.prompt_style, config.system_prompt,
-                                 **config.chat_template_kwargs) for r in rows]
+        prompts = [format_prompt(r["problem"], tokenizer, config.prompt_style, config.system_prompt) for r in rows]
         if generate_fn is not None:
             completions = [[_as_sample(c, tokenizer) for c in group] for group in generate_fn(prompts)]
         else:
             completions = generate_hf(sampler, tokenizer, prompts, config, desc=name)
         stats[name] = completion_stats([c for group in completions for c in group])
         flat = [c.text for group in completions for c in group]
-        answers = [str(r[config.answer_key]) for r, group in zip(rows, completions, strict=True) for _ in group]
-        scores = iter(score_completions(flat, answers, timeout=config.reward_timeout,
-                                        fallback=config.answer_fallback, verifier=verifier))
+        answers = [str(r["answer"]) for r, group in zip(rows, completions, strict=True) for _ in group]
+        scores = iter(score_completions(flat, answers, timeout=config.reward_timeout, fallback=config.answer_fallback))
         correct = [[next(scores) for _ in group] for group in completions]
         metrics[name] = benchmark_metrics(correct, [config.k])
         curves[name] = metric_curves(correct)
         samples[name] = [
-            {"id": r.get("id"), "answer": r[config.answer_key], "prompt": p, "completions": [c.text for c in g],
+            {"id": r.get("id"), "answer": r["answer"], "prompt": p, "completions": [c.text for c in g],
              "scores": s, "tokens": [c.tokens for c in g]}
             for r, p, g, s in zip(rows, prompts, completions, correct, strict=True)
         ]

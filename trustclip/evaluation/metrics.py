@@ -58,19 +58,12 @@ def benchmark_metrics(correct: Sequence[Sequence[float | bool]], ks: Iterable[in
         counts.append((len(row), int(sum(float(x) for x in row))))
     if not counts:
         raise ValueError("no problems to score")
-    out: dict[str, float] = {}
-    for k in ks:
-        out[f"mean@{k}"] = float(np.mean([mean_at_k(n, c, k) for n, c in counts]))
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for n, c in counts]))
-    return out
+    return {f"{name}@{k}": float(np.mean([metric(n, c, k) for n, c in counts]))
+            for k in ks for name, metric in (("mean", mean_at_k), ("pass", pass_at_k))}
 
 
 def metric_curves(correct: Sequence[Sequence[float | bool]]) -> dict[str, list[float]]:
     """Mean@k and Pass@k for k = 1..n (n = fewest samples any problem has), from one set of samples."""
     ks = list(range(1, min(map(len, correct), default=1) + 1))  # benchmark_metrics checks `correct`
     scores = benchmark_metrics(correct, ks)
-    return {
-        "k": [float(k) for k in ks],
-        "mean": [scores[f"mean@{k}"] for k in ks],
-        "pass": [scores[f"pass@{k}"] for k in ks],
-    }
+    return {"k": [float(k) for k in ks], **{name: [scores[f"{name}@{k}"] for k in ks] for name in ("mean", "pass")}}

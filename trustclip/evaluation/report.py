@@ -39,9 +39,8 @@ def format_table(results: Sequence[EvalResult]) -> str:
 
 def write_report(results: Sequence[EvalResult], output_dir: str | Path,
                  meta: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Write `results.json`, `results.csv`, `results.md` and `samples.jsonl`; returns their paths.
-
-    `meta` (e.g. benchmark sources, the data seed) is stored as is in `results.json`."""
+    """Write `results.json`, `results.csv`, `results.md` and `samples.jsonl`; returns their paths. `meta` (e.g.
+    benchmark sources, the data seed) is stored as is in `results.json`."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     final, best = final_and_best(results)
@@ -50,27 +49,20 @@ def write_report(results: Sequence[EvalResult], output_dir: str | Path,
     payload = {"config": asdict(cfg), "seed": cfg.seed, "meta": meta or {},
                "checkpoints": [r.to_dict() for r in results], "final": final, "best": best}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    tables = [*((r.model, i, r.metrics) for i, r in enumerate(results)), ("final", "", final), ("best", "", best)]
     with paths["csv"].open("w", newline="", encoding="utf-8") as fh:
         writer = csv.writer(fh)
         writer.writerow(["checkpoint", "index", "benchmark", "k", "n_samples", f"mean@{cfg.k}", f"pass@{cfg.k}"])
-        rows = [(r.model, str(i), r.metrics) for i, r in enumerate(results)]
-        for label, idx, metrics in [*rows, ("final", "", final), ("best", "", best)]:
-            for bench, ms in metrics.items():
-                writer.writerow([label, idx, bench, cfg.k, cfg.n, ms[f"mean@{cfg.k}"], ms[f"pass@{cfg.k}"]])
-    header = [
-        "# Evaluation",
-        "",
-        *[f"- checkpoint {i}: `{r.model}` ({r.backend}, {r.elapsed_s:.1f} s)" for i, r in enumerate(results)],
-        f"- K = {cfg.k}, samples per problem = {cfg.n}, temperature = {cfg.temperature}, "
-        f"top-p = {cfg.top_p}, max new tokens = {cfg.max_new_tokens}, seed = {cfg.seed}",
-        *(["- cells are final (best) over the checkpoints"] if len(results) > 1 else []),
-        "",
-        "",
-    ]
-    paths["md"].write_text("\n".join(header) + format_table(results) + "\n", encoding="utf-8")
+        writer.writerows([label, i, bench, cfg.k, cfg.n, ms[f"mean@{cfg.k}"], ms[f"pass@{cfg.k}"]]
+                         for label, i, metrics in tables for bench, ms in metrics.items())
+    lines = ["# Evaluation", "",
+             *[f"- checkpoint {i}: `{r.model}` ({r.backend}, {r.elapsed_s:.1f} s)" for i, r in enumerate(results)],
+             f"- K = {cfg.k}, samples per problem = {cfg.n}, temperature = {cfg.temperature}, "
+             f"top-p = {cfg.top_p}, max new tokens = {cfg.max_new_tokens}, seed = {cfg.seed}",
+             *(["- cells are final (best) over the checkpoints"] if len(results) > 1 else []),
+             "", format_table(results)]
+    paths["md"].write_text("\n".join(lines) + "\n", encoding="utf-8")
     with paths["samples"].open("w", encoding="utf-8") as fh:
-        for i, r in enumerate(results):
-            for bench, rows in r.samples.items():
-                for row in rows:
-                    fh.write(json.dumps({"checkpoint": r.model, "index": i, "benchmark": bench, **row}) + "\n")
+        fh.writelines(json.dumps({"checkpoint": r.model, "index": i, "benchmark": bench, **row}) + "\n"
+                      for i, r in enumerate(results) for bench, rows in r.samples.items() for row in rows)
     return paths
