@@ -9,7 +9,7 @@ follows verl's contract: the signature of `compute_policy_loss_vanilla`, the per
 
 verl swallows plugin import errors at DEBUG level (a broken plugin shows up only as "Unsupported loss mode"), so any
 failure here is logged at ERROR level before it is re-raised. `python -m trustclip.integrations.verl_plugin` prints
-the name mapping and whether `import verl` found the plugin.
+how many losses are registered and whether `import verl` found the plugin.
 """
 
 from __future__ import annotations
@@ -258,45 +258,21 @@ def _register_loudly() -> None:
         raise
 
 
-def _yaml(value: Any) -> str:
-    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
-
-
-def mapping_table() -> str:
-    """Markdown table: verl loss mode, trustclip objective, its default `objective_kwargs`, what it is."""
-    rows = ["| verl `loss_mode` | trustclip objective | default `objective_kwargs` | constraint / notes |",
-            "|---|---|---|---|"]
-    for loss_mode, name in verl_loss_names().items():
-        spec = REGISTRY[name]
-        defaults = {k: p.default for k, p in spec.params.items() if k != "constraint"}
-        shown = ", ".join(f"{k}={_yaml(v)}" for k, v in defaults.items())
-        notes = spec.summary.replace("|", "\\|")
-        if name == "general":
-            shown = "constraint (required: a trustclip `Constraint`)"
-        elif spec.requires(defaults):
-            notes += f"; needs {', '.join(spec.requires(defaults))}, which verl does not pass: not usable in verl"
-        elif name in ADAPTIVE_OBJECTIVES:
-            notes += "; moves delta across updates, which verl's loss interface cannot host: not usable in verl"
-        rows.append(f"| `{loss_mode}` | `{name}` | {shown} | {notes} |")
-    return "\n".join(rows)
-
-
 _register_loudly()
 
 
 def main() -> int:
-    """Print the mapping, and whether `import verl` loaded this plugin through its entry point."""
+    """Print how many trustclip losses verl has, and whether `import verl` loaded this plugin (its entry point)."""
     import sys
 
     from verl.trainer.ppo import core_algos
 
-    print(mapping_table())
     names = verl_loss_names()
     registered = sum(name in core_algos.POLICY_LOSS_REGISTRY for name in names)
     discovered = "trustclip.integrations.verl_plugin" in sys.modules  # imported by `import verl`, not as __main__
     verdict = "loaded the plugin" if discovered else (
         "did NOT load the plugin: check VERL_USE_EXTERNAL_PLUGINS, VERL_USE_EXTERNAL_MODULES and the install")
-    print(f"\n{registered} of {len(names)} trustclip losses registered; `import verl` {verdict}")
+    print(f"{registered} of {len(names)} trustclip losses registered; `import verl` {verdict}")
     return 0 if registered == len(names) and discovered else 1
 
 
