@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 _log = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ def verl_installed() -> bool:
 
 def verl_loss_names() -> dict[str, str]:
     """verl loss name -> trustclip objective name, for every objective and alias (`trustclip_<name>`)."""
-    names = {PREFIX + name: name for name in REGISTRY}
-    names.update({PREFIX + alias: target for alias, target in ALIASES.items()})
+    names = {PREFIX + name: name for name in REGISTRY} | {PREFIX + alias: name for alias, name in ALIASES.items()}
     return dict(sorted(names.items()))
 
 
@@ -209,18 +208,6 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
     return loss, verl_metrics(out, batch)
 
 
-def make_policy_loss(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """A function with verl's policy-loss signature computing `loss_mode` (a `trustclip_*` name)."""
-    objective = objective_for_loss_mode(loss_mode)
-    policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword
-    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"  # type: ignore[attr-defined]
-    policy_loss.__module__ = __name__
-    summary = REGISTRY[objective].summary
-    policy_loss.__doc__ = f"verl policy loss `{loss_mode}`: trustclip objective `{objective}` ({summary})."
-    policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
-    return policy_loss
-
-
 def register_verl_losses() -> list[str]:
     """Register every trustclip objective (and alias) in verl's registry; returns the names registered.
 
@@ -231,14 +218,16 @@ def register_verl_losses() -> list[str]:
 
     registry = core_algos.POLICY_LOSS_REGISTRY
     names = verl_loss_names()
-    for loss_mode in names:
+    for loss_mode, objective in names.items():
         existing = registry.get(loss_mode)
         if existing is not None and not hasattr(existing, "trustclip_objective"):
             raise VerlPluginError(
                 f"verl already has a policy loss named {loss_mode!r} ({existing.__module__}."
                 f"{existing.__qualname__}); trustclip will not overwrite it"
             )
-        core_algos.register_policy_loss(loss_mode)(make_policy_loss(loss_mode))
+        policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword
+        policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
+        core_algos.register_policy_loss(loss_mode)(policy_loss)
     return list(names)
 
 
