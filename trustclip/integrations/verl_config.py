@@ -5,10 +5,9 @@ Hydra's `_target_` (verl instantiates it in every actor worker; docs/verl.md):
     actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3
     +actor_rollout_ref.actor.policy_loss.objective_kwargs={delta:0.07}
 
-verl's own knobs (`actor.clip_ratio*`, `clip_ratio_c`, `tau_*`, `policy_loss.clip_cov_*`, `kl_cov_ratio`,
-`ppo_kl_coef`) keep serving verl's losses and are not read by `trustclip_*` losses. Importing this module (Hydra does,
-to instantiate the class) registers the trustclip losses, so a broken install fails here, loudly, rather than later
-as "Unsupported loss mode".
+verl's own knobs (`actor.clip_ratio*`, `policy_loss.clip_cov_*`, ...) keep serving verl's losses only. Importing this
+module (Hydra does) registers the trustclip losses, so a broken install fails here, loudly, rather than later as
+"Unsupported loss mode".
 """
 
 from __future__ import annotations
@@ -29,11 +28,9 @@ class TrustclipPolicyLossConfig(PolicyLossConfig):
     """verl `PolicyLossConfig` with `objective_kwargs`, the hyper-parameters of a `trustclip_*` loss mode.
 
     Args:
-        objective_kwargs (dict): trustclip hyper-parameters of the objective behind `loss_mode` under trustclip's
-            names, e.g. `{"delta": 0.07}` for `trustclip_kl3`; omitted ones take trustclip's defaults
-            (`trustclip.list_objectives()`), and values are checked with trustclip's messages when the config is
-            built. A JSON object string is accepted too. Only `trustclip_*` loss modes read it, so it must be empty
-            otherwise.
+        objective_kwargs (dict): hyper-parameters of the objective behind `loss_mode` under trustclip's names (or a
+            JSON object string), e.g. `{"delta": 0.07}` for `trustclip_kl3`; omitted ones take trustclip's defaults.
+            Checked when the config is built; only `trustclip_*` loss modes read it, so it must be empty otherwise.
     """
 
     objective_kwargs: dict[str, Any] = field(default_factory=dict)

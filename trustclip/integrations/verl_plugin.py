@@ -9,7 +9,7 @@ follows verl's contract: the signature of `compute_policy_loss_vanilla`, the per
 
 verl swallows plugin import errors at DEBUG level (a broken plugin shows up only as "Unsupported loss mode"), so any
 failure here is logged at ERROR level before it is re-raised. `python -m trustclip.integrations.verl_plugin` prints
-the name mapping and whether `import verl` found the plugin.
+how many losses are registered and whether `import verl` found the plugin.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 _log = logging.getLogger(__name__)
@@ -66,8 +66,7 @@ def verl_installed() -> bool:
 
 def verl_loss_names() -> dict[str, str]:
     """verl loss name -> trustclip objective name, for every objective and alias (`trustclip_<name>`)."""
-    names = {PREFIX + name: name for name in REGISTRY}
-    names.update({PREFIX + alias: target for alias, target in ALIASES.items()})
+    names = {PREFIX + name: name for name in REGISTRY} | {PREFIX + alias: name for alias, name in ALIASES.items()}
     return dict(sorted(names.items()))
 
 
@@ -209,18 +208,6 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
     return loss, verl_metrics(out, batch)
 
 
-def make_policy_loss(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
-    """A function with verl's policy-loss signature computing `loss_mode` (a `trustclip_*` name)."""
-    objective = objective_for_loss_mode(loss_mode)
-    policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword
-    policy_loss.__name__ = policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"  # type: ignore[attr-defined]
-    policy_loss.__module__ = __name__
-    summary = REGISTRY[objective].summary
-    policy_loss.__doc__ = f"verl policy loss `{loss_mode}`: trustclip objective `{objective}` ({summary})."
-    policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
-    return policy_loss
-
-
 def register_verl_losses() -> list[str]:
     """Register every trustclip objective (and alias) in verl's registry; returns the names registered.
 
@@ -231,14 +218,16 @@ def register_verl_losses() -> list[str]:
 
     registry = core_algos.POLICY_LOSS_REGISTRY
     names = verl_loss_names()
-    for loss_mode in names:
+    for loss_mode, objective in names.items():
         existing = registry.get(loss_mode)
         if existing is not None and not hasattr(existing, "trustclip_objective"):
             raise VerlPluginError(
                 f"verl already has a policy loss named {loss_mode!r} ({existing.__module__}."
                 f"{existing.__qualname__}); trustclip will not overwrite it"
             )
-        core_algos.register_policy_loss(loss_mode)(make_policy_loss(loss_mode))
+        policy_loss = functools.partial(compute_trustclip_loss, loss_mode)  # verl passes the rest by keyword
+        policy_loss.trustclip_objective = objective  # type: ignore[attr-defined]
+        core_algos.register_policy_loss(loss_mode)(policy_loss)
     return list(names)
 
 
@@ -258,45 +247,21 @@ def _register_loudly() -> None:
         raise
 
 
-def _yaml(value: Any) -> str:
-    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
-
-
-def mapping_table() -> str:
-    """Markdown table: verl loss mode, trustclip objective, its default `objective_kwargs`, what it is."""
-    rows = ["| verl `loss_mode` | trustclip objective | default `objective_kwargs` | constraint / notes |",
-            "|---|---|---|---|"]
-    for loss_mode, name in verl_loss_names().items():
-        spec = REGISTRY[name]
-        defaults = {k: p.default for k, p in spec.params.items() if k != "constraint"}
-        shown = ", ".join(f"{k}={_yaml(v)}" for k, v in defaults.items())
-        notes = spec.summary.replace("|", "\\|")
-        if name == "general":
-            shown = "constraint (required: a trustclip `Constraint`)"
-        elif spec.requires(defaults):
-            notes += f"; needs {', '.join(spec.requires(defaults))}, which verl does not pass: not usable in verl"
-        elif name in ADAPTIVE_OBJECTIVES:
-            notes += "; moves delta across updates, which verl's loss interface cannot host: not usable in verl"
-        rows.append(f"| `{loss_mode}` | `{name}` | {shown} | {notes} |")
-    return "\n".join(rows)
-
-
 _register_loudly()
 
 
 def main() -> int:
-    """Print the mapping, and whether `import verl` loaded this plugin through its entry point."""
+    """Print how many trustclip losses verl has, and whether `import verl` loaded this plugin (its entry point)."""
     import sys
 
     from verl.trainer.ppo import core_algos
 
-    print(mapping_table())
     names = verl_loss_names()
     registered = sum(name in core_algos.POLICY_LOSS_REGISTRY for name in names)
     discovered = "trustclip.integrations.verl_plugin" in sys.modules  # imported by `import verl`, not as __main__
     verdict = "loaded the plugin" if discovered else (
         "did NOT load the plugin: check VERL_USE_EXTERNAL_PLUGINS, VERL_USE_EXTERNAL_MODULES and the install")
-    print(f"\n{registered} of {len(names)} trustclip losses registered; `import verl` {verdict}")
+    print(f"{registered} of {len(names)} trustclip losses registered; `import verl` {verdict}")
     return 0 if registered == len(names) and discovered else 1
 
 

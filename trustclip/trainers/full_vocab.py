@@ -65,11 +65,6 @@ def head_operand(head: torch.nn.Module) -> Head:
     return head.weight if type(head) is torch.nn.Linear and head.bias is None else head
 
 
-def frozen_head(head: torch.nn.Module) -> torch.nn.Module:
-    """pi_old's LM head: the live one when it does not train (e.g. LoRA elsewhere), else a frozen copy."""
-    return copy.deepcopy(head).requires_grad_(False) if any(p.requires_grad for p in head.parameters()) else head
-
-
 class FullVocabForward:
     """The forward of `model` on a batch of prompts + completions, through `full_vocab_logprobs`; keeps pi_old's LM
     head per mode ("train" / "eval") when pi_old is stored as hidden states. `unwrap` and `autocast` are the
@@ -82,8 +77,10 @@ class FullVocabForward:
 
     def keep_head(self, model: Any, mode: str) -> None:
         """Keep the LM head of the policy that just scored a generation batch as pi_old's (hidden-state storage)."""
-        if self.keys == HIDDEN_KEYS:
-            self.old_heads[mode] = frozen_head(causal_lm(model, self.unwrap).get_output_embeddings())
+        if self.keys == HIDDEN_KEYS:  # the live head when it does not train (e.g. LoRA elsewhere), else a frozen copy
+            head = causal_lm(model, self.unwrap).get_output_embeddings()
+            trains = any(p.requires_grad for p in head.parameters())
+            self.old_heads[mode] = copy.deepcopy(head).requires_grad_(False) if trains else head
 
     def __call__(self, model: Any, inputs: dict[str, Any], *, mode: str, old: dict[str, torch.Tensor] | None = None,
                  keep: bool = False, chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -93,14 +90,12 @@ class FullVocabForward:
         lm = causal_lm(model, self.unwrap)
         completion = inputs["completion_ids"]
         hidden = completion_hidden_states(model, lm, *prompt_and_completion(inputs), completion.size(1), self.autocast)
-        topk = self.keys == TOPK_KEYS
-        if keep:
-            given = {"keep_topk": self.topk} if topk else {}
-        elif old is None:
-            given = {}
-        elif topk:  # KL_k from pi_old's top-k log-probs and tail mass
+        topk, given = self.keys == TOPK_KEYS, {}
+        if keep and topk:
+            given = {"keep_topk": self.topk}
+        elif old is not None and topk:  # KL_k from pi_old's top-k log-probs and tail mass
             given = {"old_topk": TopKLogProbs(*(old[key] for key in TOPK_KEYS))}
-        else:  # pi_old's logits from its final hidden states, through its LM head: the exact KL
+        elif old is not None:  # pi_old's logits from its final hidden states, through its LM head: the exact KL
             given = {"old_hidden": old[HIDDEN_KEYS[0]], "old_head": head_operand(self.old_heads[mode])}
         out = full_vocab_logprobs(hidden, head_operand(lm.get_output_embeddings()), completion,
                                   temperature=self.temperature, chunk_elements=chunk_elements, **given)

@@ -49,24 +49,18 @@ class StepCounts:
         used_later = {s % self.steps_per_generation for s in range(next_update, next_generation)}
         return [j not in used_later for j in range(self.steps_per_generation)]
 
-    def window(self, micro_step: int, accumulation: int) -> tuple[float, float] | None:
-        """(valid tokens, sequences) of the optimizer step of training micro-batch `micro_step`, every process, when
-        its accumulation window lies inside one generation batch; else None."""
-        if not self.exact or self.slices is None or accumulation != self.accumulation:
-            return None
-        start = (micro_step // accumulation) * accumulation
-        window = [self.slices[s % self.steps_per_generation] for s in range(start, start + accumulation)]
-        return sum(t for t, _ in window), sum(n for _, n in window)
-
     def denominators(self, aggregation: str, inputs: dict[str, Any], *, micro_step: int, accumulation: int,
                      training: bool, processes: int) -> dict[str, float]:
-        """`num_tokens` (token_mean) or `num_sequences` of this micro-batch's optimizer step, per process."""
-        window = self.window(micro_step, accumulation) if training else None
-        if window is None:  # eval (the whole batch), or a window spanning two generation batches: TRL's estimate
+        """`num_tokens` (token_mean) or `num_sequences` of this micro-batch's optimizer step, per process: counted
+        over every process when its accumulation window lies inside one generation batch."""
+        if training and self.exact and self.slices is not None and accumulation == self.accumulation:
+            start = (micro_step // accumulation) * accumulation
+            window = [self.slices[s % self.steps_per_generation] for s in range(start, start + accumulation)]
+            tokens, sequences = sum(t for t, _ in window), sum(n for _, n in window)
+        else:  # eval (the whole batch), or a window spanning two generation batches: TRL's estimate
             share = accumulation / self.steps_per_generation if training else 1.0
-            window = (float(inputs["num_items_in_batch"]) * share,
-                      inputs["completion_ids"].size(0) * accumulation * processes)  # equal micro-batches
-        tokens, sequences = window
+            tokens = float(inputs["num_items_in_batch"]) * share
+            sequences = inputs["completion_ids"].size(0) * accumulation * processes  # equal micro-batches
         if aggregation == "token_mean":
             return {"num_tokens": max(tokens, 1.0) / processes}
         return {"num_sequences": max(sequences, 1.0) / processes}

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, fields
 
@@ -11,16 +12,13 @@ from trl import GRPOConfig
 
 from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
-from trustclip.objectives.registry import is_finite_number
+from trustclip.objectives.registry import is_finite_number, resolve_name
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.options import check, option
 from trustclip.trainers import trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
                   "computes, or refused (trustclip.trainers.trl_options).")
-# truly_ppo: what the generation batch keeps of pi_old per completion token, per `full_kl_storage`
-FULL_KL_STORAGES = ("hidden", "topk")
-GENERATION_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -31,11 +29,8 @@ class TrustClipGRPOConfig(GRPOConfig):
     """
 
     objective: str | None = option(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
-                                   "clip_higher, dual_clip, dcpo, sapo, clip_cov, gspo, ...); unset: the one TRL's "
-                                   "loss options spell, else kl3. atr_adaptive moves its delta once per generation "
-                                   "batch and needs each optimizer step inside one generation batch "
-                                   "(steps_per_generation x num_iterations a multiple of gradient_accumulation_steps; "
-                                   "TRL's defaults are).")
+                                   "clip_higher, sapo, gspo); unset: the one TRL's loss options spell, else kl3. "
+                                   "atr_adaptive needs each optimizer step inside one generation batch.")
     objective_kwargs: dict | str | None = option(None, "Hyper-parameters of the objective (a dict, or a JSON string), "
                                                  "e.g. {\"delta\": 0.07}; unset: the objective's own defaults.")
     aggregation: str | None = option(None, "dr_grpo (sum / (B * L_max), Dr.GRPO), token_mean (DAPO), "
@@ -45,40 +40,28 @@ class TrustClipGRPOConfig(GRPOConfig):
                                              "scale_rewards='group') or rloo (leave-one-out baseline); unset: the one "
                                              "of TRL's scale_rewards if given, else dr_grpo.")
     max_len_normalizer: int | None = option(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
-    truncated_reward: float | None = option(None, "Reward of a completion that hit max_completion_length without an "
-                                            "EOS (every reward function's score of it is replaced). 0.0 makes an "
-                                            "unfinished answer a wrong one, so the policy cannot drift into never "
-                                            "stopping after its answer; unlike mask_truncated_completions (DAPO's "
-                                            "overlong filtering) such completions still get a (negative) gradient. "
-                                            "Unset: score them as they are.")
-    skip_zero_advantage: bool = option(False, "Leave completions whose advantage is exactly 0 out of the policy "
-                                       "update: with a binary reward, every group whose rewards all agree (the filter "
-                                       "of DAPO's dynamic sampling, arXiv 2503.14476, Eq. 11, without its "
-                                       "re-sampling). They carry no policy gradient, so the update direction is "
-                                       "unchanged (beta = 0, no entropy bonus, an objective without batch statistics; "
-                                       "Clip-Cov / KL-Cov select among the kept tokens) and each update is cheaper. "
-                                       "Normalisers count the kept completions, as DAPO's filtered batch; the logged "
-                                       "entropy, clip fractions and ratios describe them too. To keep more "
-                                       "informative groups per update, raise the generation batch (prompts per step "
-                                       "or steps_per_generation).")
+    truncated_reward: float | None = option(None, "Reward of a completion cut at max_completion_length without an "
+                                            "EOS, replacing every reward function's score (0.0: an unfinished answer "
+                                            "is a wrong one, and still gets a gradient, unlike "
+                                            "mask_truncated_completions). Unset: score them as they are.")
+    skip_zero_advantage: bool = option(False, "Leave completions whose advantage is exactly 0 (with a binary "
+                                       "reward, every group whose rewards agree) out of the update: DAPO's dynamic "
+                                       "sampling filter (arXiv 2503.14476, Eq. 11) without its re-sampling. They "
+                                       "carry no policy gradient (beta = 0, no entropy bonus, an objective without "
+                                       "batch statistics), so the update is cheaper in the same direction; "
+                                       "normalisers and logged statistics count the kept completions.")
     full_kl_storage: str = option("hidden", "What objectives that need the full-vocabulary KL(pi_old || pi) "
-                                  "(truly_ppo) keep of pi_old per completion token, instead of its whole log-softmax "
-                                  "(4 V bytes per token). 'hidden': the final hidden state (the LM head's input, 4 H "
-                                  "bytes; plus one frozen copy of the head per generation batch when the head "
-                                  "trains), from which pi_old's logits are recomputed chunk by chunk: the KL is "
-                                  "exact. 'topk': the full_kl_topk largest log-probs plus the tail mass (8 k + 4 "
-                                  "bytes), and the KL of the coarse-grained distributions: a lower bound, low by the "
-                                  "tail mass times the KL within the tail (trustclip.objectives.topk_kl); the smaller "
-                                  "when H is large and completions long.")
+                                  "(truly_ppo) keep of pi_old per completion token. 'hidden': the final hidden state "
+                                  "(4 H bytes, plus a frozen copy of a training LM head), from which pi_old's logits "
+                                  "are recomputed: the KL is exact. 'topk': the full_kl_topk largest log-probs and "
+                                  "the tail mass (8 k + 4 bytes): a lower bound on the KL "
+                                  "(trustclip.objectives.topk_kl), smaller when H is large.")
     full_kl_topk: int = option(DEFAULT_TOPK, "k of full_kl_storage='topk'; k >= V - 1 keeps the whole distribution "
                                "(exact).")
     generation_dtype: str | None = option(None, "Sample completions from a copy of the policy in this dtype "
-                                          "(bfloat16, float16 or float32), its LoRA adapter merged, refreshed from "
-                                          "the policy before each generation (trustclip.precision.LowPrecisionCopy). "
-                                          "The log-probs of the update (old and new) still come from the policy, so "
-                                          "the ratio is unchanged; the copy only decides which tokens are sampled, as "
-                                          "vLLM does. Pays on CPU (benchmarks/real_model_step.py). Unset: TRL's "
-                                          "generation from the policy itself.")
+                                          "(bfloat16, float16 or float32), LoRA merged, refreshed before each "
+                                          "generation; the log-probs of the update still come from the policy, as "
+                                          "with vLLM. Unset: TRL samples from the policy itself.")
     # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
     loss_type: str | None = option(None, _TRL_LOSS_HELP)
     epsilon: float | None = option(None, _TRL_LOSS_HELP)
@@ -136,7 +119,8 @@ class TrustClipGRPOConfig(GRPOConfig):
                 raise ValueError(f"objective={self.objective!r}, objective_kwargs={self.objective_kwargs!r}: {err}"
                                  ) from None
         for name, valid in (("aggregation", AGGREGATIONS), ("advantage_estimator", ADVANTAGE_ESTIMATORS),
-                            ("full_kl_storage", FULL_KL_STORAGES), ("generation_dtype", (*GENERATION_DTYPES, None))):
+                            ("full_kl_storage", ("hidden", "topk")),
+                            ("generation_dtype", ("bfloat16", "float16", "float32", None))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; valid: {', '.join(map(str, valid))}")
         if self.truncated_reward is not None and not is_finite_number(self.truncated_reward):
@@ -188,16 +172,13 @@ class TrustClipGRPOConfig(GRPOConfig):
         # skip_zero_advantage: processes then hold different numbers of rows, and only whole windows have exact counts
         if self.skip_zero_advantage:
             _check_split_step(self, "skip_zero_advantage")
-        if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            check_delta_control(self, get_objective(self.objective, **self.objective_kwargs).name)
+        check_delta_control(self, resolve_name(self.objective).name)
 
 
 def check_honoured_trl_options(args: GRPOConfig) -> None:
     """The TRL options the trainer honours whose values TRL does not check (an out-of-range one would silently turn
     its feature off or make it meaningless), and the optional packages TRL options need (TRL imports them only when
     training starts)."""
-    import importlib.util
-
     quantile, threshold = args.top_entropy_quantile, args.off_policy_mask_threshold
     check(is_finite_number(quantile) and 0.0 <= quantile <= 1.0, "top_entropy_quantile", quantile,
           "in [0, 1] (the fraction of tokens kept by entropy; 1 keeps all)")
@@ -220,7 +201,7 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
         raise ValueError("use_vllm=True with vllm_mode='colocate' needs a CUDA GPU, and this machine has none; set "
                          "use_vllm=False (or vllm_mode='server' with a vLLM server)")
     try:
-        from transformers import Trainer
+        from transformers import Trainer  # lazily: the pipeline's config checks need no Trainer otherwise
 
         Trainer.get_optimizer_cls_and_kwargs(args)
     except ImportError as err:  # e.g. optim='adamw_bnb_8bit' without bitsandbytes

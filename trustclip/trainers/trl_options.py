@@ -12,9 +12,8 @@ refuses it; never silently ignored. Exact correspondences (TRL 1.16's `_compute_
   tau_neg), aggregated `seq_mean_token_mean`.
 - scale_rewards group (True) / none (False): advantage_estimator `grpo` / `dr_grpo`.
 
-Refused: loss_type bnpo (normalises by each micro-batch's own tokens; trustclip's `token_mean` by the optimizer
-step's, which is TRL's dapo), luspo and vespo (no trustclip objective), an unknown loss_type, an option TRL itself
-ignores with the loss type given, scale_rewards batch.
+Refused, each with what to set instead: loss_type bnpo (per-micro-batch normaliser), luspo and vespo, an unknown
+loss_type, an option TRL itself ignores with the loss type given, scale_rewards batch.
 """
 
 from __future__ import annotations
@@ -59,11 +58,8 @@ def spelled(options: dict[str, Any]) -> str:
 
 
 def translate(options: dict[str, Any]) -> TrlLoss:
-    """The trustclip settings that TRL's loss computes with `options` (a subset of OPTIONS, as given by the user; the
-    others at TRL's defaults). Raises ValueError naming the option when no trustclip setting computes it."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise ValueError(f"not TRL loss options: {unknown}")
+    """The trustclip settings that TRL's loss computes with `options` (the OPTIONS the user gave; the others at TRL's
+    defaults). Raises ValueError naming the option when no trustclip setting computes it."""
     out = TrlLoss()
     if "scale_rewards" in options:
         value = options["scale_rewards"]
@@ -117,14 +113,13 @@ def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, 
         return "cispo", {"epsilon_high": cap - 1}
     low = loss.get("epsilon", TRL_EPSILON)
     high = loss.get("epsilon_high", low)
-    if "delta" in loss:
-        delta = loss["delta"]
-        if delta is not None and not (is_finite_number(high) and is_finite_number(delta) and delta >= 1 + high):
+    delta = loss.get("delta")
+    if delta is not None:
+        if not (is_finite_number(high) and is_finite_number(delta) and delta >= 1 + high):
             raise ValueError(f"{spelled(loss)}: TRL's two-sided clip (delta) is dual_clip only for delta >= "
                              f"1 + epsilon_high; use objective='dual_clip' with objective_kwargs epsilon_low, "
                              "epsilon_high and clip_ratio_c")
-        if delta is not None:
-            return "dual_clip", {"epsilon_low": low, "epsilon_high": high, "clip_ratio_c": delta}
+        return "dual_clip", {"epsilon_low": low, "epsilon_high": high, "clip_ratio_c": delta}
     if high == low:
         return "clip", {"epsilon": low}
     return "clip_higher", {"epsilon_low": low, "epsilon_high": high}

@@ -8,8 +8,13 @@ listed.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 from typing import Any
+
+import transformers
+import trl
+from trl import GRPOConfig, GRPOTrainer
 
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS
 
@@ -71,11 +76,6 @@ FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
 def missing_names(trainer: Any = None) -> list[str]:
     """Every listed name the installed TRL lacks, as `what: name (why)`; [] when all are there. `trainer` (an
     instance, optional) lets the instance attributes be checked too."""
-    import importlib
-
-    import transformers
-    from trl import GRPOConfig, GRPOTrainer
-
     missing = []
     for group, methods in (("overridden method", OVERRIDDEN_METHODS), ("method", CALLED_METHODS)):
         for name, params in methods.items():
@@ -103,7 +103,5 @@ def check_trl_surface(trainer: Any) -> None:
     """Raise RuntimeError naming every TRL name the subclass relies on that the installed TRL lacks."""
     missing = missing_names(trainer=trainer)
     if missing:
-        import trl
-
         raise RuntimeError(f"TRL {trl.__version__} lacks what TrustClipGRPOTrainer relies on: {'; '.join(missing)}. "
                            "trustclip supports trl==1.16.* (see trustclip/trainers/trl_surface.py)")

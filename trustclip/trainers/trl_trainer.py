@@ -1,12 +1,11 @@
 """TRL 1.16 `GRPOTrainer` with the per-token policy loss replaced by any trustclip objective.
 
-TRL computes each `loss_type`'s per-token loss inline in `_compute_loss` (no method of its own to override), so the
-subclass overrides `_compute_loss` and changes that one step: the objective's per-token loss, aggregated with exact
-global normalisers (`step_counts`). The rest follows TRL's loss step by step: TRL's own methods where it has them
-(fused log-probs, the high-entropy and off-policy masks), TRL's formulas where they are inline (vLLM importance
-weights, the k3 reference KL, the entropy bonus and its adaptive controller, whose state TRL saves, the MoE auxiliary
-loss, the metric names); tests/test_trl_surface.py and tests/test_trainer.py check each against TRL's own loss. The
-private TRL names used are listed in `trl_surface.py` and checked at start-up.
+TRL computes each `loss_type`'s per-token loss inline in `_compute_loss`, so the subclass overrides `_compute_loss`
+and changes that one step: the objective's per-token loss, aggregated with exact global normalisers (`step_counts`).
+The rest follows TRL's loss: its methods where it has them (fused log-probs, the high-entropy and off-policy masks),
+its formulas where they are inline (vLLM importance weights, the k3 reference KL, the entropy bonus and its adaptive
+controller, whose state TRL saves, the MoE auxiliary loss, the metric names), each checked against TRL's own loss by
+the tests. The private TRL names used are listed in `trl_surface.py` and checked at start-up.
 
 Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch serves more than one
 optimizer step (`num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`); otherwise every
@@ -43,9 +42,8 @@ logger = logging.getLogger(__name__)
 class TrustClipGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose policy loss is a trustclip objective.
 
-    Use it like TRL's trainer; pass a [`TrustClipGRPOConfig`] (or a plain `GRPOConfig` plus `objective=`: trustclip's
-    own fields at their defaults, TRL loss options changed from TRL's defaults mapped or refused, as
-    `TrustClipGRPOConfig.from_grpo_config` does):
+    Use it like TRL's trainer; pass a [`TrustClipGRPOConfig`] (or a plain `GRPOConfig` plus `objective=`, read as
+    `TrustClipGRPOConfig.from_grpo_config` reads it):
 
         trainer = TrustClipGRPOTrainer(model, reward_funcs=reward, args=TrustClipGRPOConfig(
             output_dir="out", objective="kl3", objective_kwargs={"delta": 0.07}, num_iterations=2),
@@ -79,7 +77,6 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             float32_lm_head(self)  # the log-probs, and so the ratio, in float32
         self._sampler = low_precision_sampler(self)  # generation_dtype's copy of the policy, or None
-        self.max_len_normalizer = args.max_len_normalizer or args.max_completion_length
         self._step_counts = StepCounts(  # the exact normalisers of each optimizer step
             steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations,
             gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -89,8 +86,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             self.accelerator.autocast)
         message = on_policy_warning(args, self._objective.name)
         if message:
-            bar = "!" * 100
-            logger.warning("\n%s\ntrustclip WARNING: %s\n%s", bar, message, bar)
+            logger.warning("\n%s\ntrustclip WARNING: %s\n%s", "!" * 100, message, "!" * 100)
             warnings.warn(message, UserWarning, stacklevel=2)
 
     @property
@@ -215,7 +211,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         denominators = self._step_counts.denominators(  # global, of this micro-batch's optimizer step, per process
             self.aggregation, inputs, micro_step=self._step, training=mode == "train",
             accumulation=self._accumulation(mode), processes=self.accelerator.num_processes)
-        loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=self.max_len_normalizer, **denominators)
+        max_len = self.args.max_len_normalizer or self.args.max_completion_length
+        loss = aggregate(per_token_loss, batch.mask, self.aggregation, max_len=max_len, **denominators)
         # Per-micro-batch policy loss before the accumulation / process split (TRL's `policy_loss`).
         policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
         values, tokens = self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl,
@@ -239,9 +236,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _completion_logps(self, model: Any, inputs: dict[str, Any], **kwargs: Any):
         """TRL's fused (log-probs, entropies, aux loss) of the completions in `inputs` under `model`."""
-        input_ids, attention_mask = prompt_and_completion(inputs)
         return self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, inputs["completion_ids"].size(1),
+            model, *prompt_and_completion(inputs), inputs["completion_ids"].size(1),
             **{k: inputs.get(k) for k in MULTIMODAL_KEYS}, **kwargs,
         )
 
@@ -269,7 +265,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         gates, entropy_mask = [], None
         if self.args.top_entropy_quantile < 1.0:
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.args.top_entropy_quantile)
-            gates.append(entropy_mask.to(mask.dtype))
+            gates.append(entropy_mask)
         if self.args.off_policy_mask_threshold is not None:
             old = inputs.get("old_per_token_logps")
             old = logps.detach() if old is None else old
@@ -281,11 +277,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             ))
         if self.args.use_vllm and self.args.vllm_importance_sampling_correction:
             gates.append(inputs["importance_sampling_ratio"])
-        weights = None
-        for gate in gates:
-            gate = gate.to(logps.dtype).expand_as(logps)
-            weights = gate if weights is None else weights * gate
-        return weights, None if entropy_mask is None else entropy_mask.to(mask.dtype)
+        weights = math.prod(gate.to(logps.dtype).expand_as(logps) for gate in gates) if gates else None
+        return weights, entropy_mask
 
     def _reference_kl(self, inputs: dict[str, Any], logps: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
         """k3 estimate of KL(pi || pi_ref) per token, as TRL (optionally IS-corrected)."""

@@ -26,14 +26,10 @@ def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
 def drop_zero_advantage(output: dict[str, Any], steps_per_generation: int,
                         sum_over_processes: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
                         ) -> tuple[dict[str, Any], float]:
-    """This process's generation batch without its zero-advantage completions, and the kept fraction over every
-    process.
-
-    Every per-completion tensor or list (leading size B) keeps the chosen rows, in order; anything else is passed
-    through. The batch is later split into `steps_per_generation` equal slices, so the kept count is rounded up to a
-    multiple of it with zero-advantage rows (at most steps_per_generation - 1; they add nothing to the gradient).
-    `num_items_in_batch` becomes the kept valid tokens of every process. Raises ValueError on a multimodal batch.
-    """
+    """This process's generation batch without its zero-advantage completions (per-completion tensors and lists
+    keep their rows, in order), and the kept fraction over every process. The batch is later split into
+    `steps_per_generation` equal slices, so the kept count is rounded up to a multiple of it with zero-advantage rows
+    (they add nothing to the gradient). `num_items_in_batch` becomes the kept valid tokens of every process."""
     if any(key in output for key in MULTIMODAL_KEYS):
         raise ValueError("skip_zero_advantage does not support multimodal inputs (their image tensors are not "
                          "split per completion); turn it off")
