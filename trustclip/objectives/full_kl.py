@@ -98,9 +98,7 @@ def _logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _vocabulary(head: Head, probe: torch.Tensor) -> int:
-    if isinstance(head, torch.Tensor):
-        return head.size(0)
-    weight = getattr(head, "weight", None)
+    weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight.size(0)
     with torch.no_grad():

@@ -28,7 +28,7 @@ def compute_token_loss(
     `token_weights` (B, T) multiplies the per-token loss (e.g. rollout importance-sampling
     corrections); extras are (B, T) tensors some objectives need: `entropy`, `full_kl`.
     """
-    objective = get_objective(objective) if isinstance(objective, str) else objective
+    objective = get_objective(objective)
     unknown = set(extra) - set(EXTRA_INPUTS)
     if unknown:
         raise ValueError(f"unknown extra input(s) {sorted(unknown)}; valid: {', '.join(EXTRA_INPUTS)}")

@@ -33,10 +33,10 @@ def sapo(batch: PolicyBatch, *, tau_pos: float, tau_neg: float) -> TokenLoss:
     The paper aggregates seq_mean_token_mean (as TRL's loss_type='sapo' and verl do)."""
     w, adv = batch.ratio, batch.advantages
     tau = torch.where(adv > 0, torch.full_like(w, tau_pos), torch.full_like(w, tau_neg))
-    gate = torch.sigmoid(tau * (w - 1)) * 4 / tau
-    s = torch.sigmoid(tau * (w - 1)).detach()
+    s = torch.sigmoid(tau * (w - 1))
     none = torch.zeros_like(w, dtype=torch.bool)
-    return TokenLoss(-gate * adv, clipped_low=none, clipped_high=none, stats={"gate_weight_mean": 4 * s * (1 - s)})
+    return TokenLoss(-(s * 4 / tau) * adv, clipped_low=none, clipped_high=none,
+                     stats={"gate_weight_mean": 4 * s.detach() * (1 - s.detach())})
 
 
 @register_objective(
@@ -92,12 +92,10 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     With entropy_split the top (1 - quantile) entropy tokens of each response use high_entropy_epsilon
     for both eps (Archer2.0's default scheme); the default is the single-eps ASPO of the paper."""
     w, adv, c = batch.ratio, batch.advantages, clip_ratio_c
+    eps_low, eps_high = epsilon_low, epsilon_high
     if entropy_split:
-        eps = _entropy_split_epsilon(batch.extra("entropy", "aspo"), batch.mask, entropy_quantile,
-                                     epsilon_low, high_entropy_epsilon)
-        eps_low = eps_high = eps
-    else:
-        eps_low, eps_high = epsilon_low, epsilon_high
+        eps_low = eps_high = _entropy_split_epsilon(batch.extra("entropy", "aspo"), batch.mask, entropy_quantile,
+                                                    epsilon_low, high_entropy_epsilon)
     upper, lower = 1 + eps_high, 1 - eps_low  # floats, or (B, T) tensors with entropy_split
     pos, neg = adv > 0, adv < 0
     above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
