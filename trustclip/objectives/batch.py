@@ -3,9 +3,6 @@
 Validation lives here so that each objective can be a short formula: shapes are checked, advantages
 are broadcast to (B, T), padded positions are neutralised (their values never reach the loss or the
 gradient), and non-finite values on real tokens are rejected with the position that holds them.
-
-The usual batch (every input finite, |log w| within the clamp) is validated from a handful of reductions read
-back in one transfer; anything else takes the token-by-token path, which finds and names the bad value.
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ class PolicyBatch:
 
     def extra(self, name: str, objective: str) -> torch.Tensor:
         if name not in self.extras:
-            raise ValueError(
-                f"objective {objective!r} needs the extra input {name!r} (a (B, T) tensor); "
-                f"pass it as compute_policy_loss(..., {name}=tensor)"
-            )
+            raise ValueError(f"objective {objective!r} needs the extra input {name!r} (a (B, T) tensor); "
+                             f"pass it as compute_policy_loss(..., {name}=tensor)")
         return self.extras[name]
 
 
@@ -129,10 +124,8 @@ def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     for name, x in (("logp", logp), ("old_logp", old_logp)):
         too_big = (x.detach() > LOGP_MAX) & valid
         if too_big.any():
-            raise ValueError(
-                f"{name} must hold log-probabilities (<= 0); found {x.detach()[too_big].max().item():.4g}. "
-                "Were logits passed instead?"
-            )
+            raise ValueError(f"{name} must hold log-probabilities (<= 0); found {x.detach()[too_big].max().item():.4g}"
+                             ". Were logits passed instead?")
 
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     # Padding is replaced by a harmless constant so NaN/inf there cannot leak through 0 * x.
@@ -158,9 +151,7 @@ def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.
         return advantages.unsqueeze(1)
     if advantages.shape in (shape, (shape[0], 1)):
         return advantages
-    raise ValueError(
-        f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}"
-    )
+    raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}")
 
 
 def _describe(x: object) -> str:

@@ -190,6 +190,6 @@ def list_objectives() -> list[dict[str, Any]]:
             "source": spec.source,
             "summary": spec.summary,
             "defaults": {k: v for k, v in defaults.items() if k != "constraint"},
-            "requires": list(spec.requires(defaults)) if "constraint" not in spec.params else [],
+            "requires": list(spec.requires(defaults)),
         })
     return rows

@@ -135,8 +135,7 @@ def sequence_clipped_surrogate(batch: PolicyBatch, constraint: Constraint) -> To
 )
 def gspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float) -> TokenLoss:
     """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t), in verl's
-    GSPO-token form (`sequence_clipped_surrogate`), whose gradient with seq_mean_token_mean aggregation (the
-    paper's) equals GSPO's."""
+    GSPO-token form (`sequence_clipped_surrogate`)."""
     return sequence_clipped_surrogate(batch, RatioInterval(1 - epsilon_low, 1 + epsilon_high))
 
 
