@@ -23,29 +23,29 @@ from scipy.optimize import brentq
 from scipy.special import lambertw
 
 
-def check_delta(delta: float, name: str = "delta") -> float:
+def check_delta(delta: float) -> float:
     """Return delta as a float, or raise ValueError if it is not a finite positive number."""
     try:
         value = float(delta)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {delta!r}") from None
+        raise ValueError(f"delta must be a positive number, got {delta!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {delta!r}")
+        raise ValueError(f"delta must be a finite number > 0, got {delta!r}")
     return value
 
 
-def check_probability(q, name: str = "q"):
+def check_probability(q):
     """Return q unchanged, or raise ValueError unless every value is a probability in (0, 1] (q = pi_old(y_t) is the
     probability of a sampled token, so 0 cannot occur; NaN, inf and values outside the range are rejected)."""
     try:
         values = np.asarray(q.detach().double().cpu() if hasattr(q, "detach") else q, dtype=np.float64).ravel()
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a probability in (0, 1], got {q!r}") from None
+        raise ValueError(f"q must be a probability in (0, 1], got {q!r}") from None
     if values.size == 0:
-        raise ValueError(f"{name} is empty: give at least one probability in (0, 1]")
+        raise ValueError("q is empty: give at least one probability in (0, 1]")
     bad = ~((values > 0) & (values <= 1))
     if bad.any():
-        raise ValueError(f"{name} must be a probability in (0, 1] (the old probability of the sampled token), "
+        raise ValueError("q must be a probability in (0, 1] (the old probability of the sampled token), "
                          f"got {float(values[bad][0])!r}")
     return q
 
@@ -146,21 +146,12 @@ def dcpo_bounds(q, epsilon_low: float = 0.16, epsilon_high: float = 0.2, max_hig
     return (float(low), float(high)) if xp is np and low.ndim == 0 else (low, high)
 
 
-def binary_kl(q, r):
-    """KL(pi_old || pi) when the sampled token's probability moves q -> r q and every other
-    token is rescaled proportionally: q log(1/r) + (1-q) log((1-q)/(1-rq))."""
-    if hasattr(q, "log"):
-        return -q * r.log() + (1 - q) * ((1 - q).log() - (1 - r * q).log())
-    with np.errstate(divide="ignore"):  # r = 1/q gives log(0) = -inf, i.e. KL = +inf: correct for bisection
-        return -q * np.log(r) + (1 - q) * (np.log1p(-q) - np.log1p(-r * q))
-
-
 def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 10):
     """TRGPPO (Wang et al. 2019, arXiv 1901.10314) KL-guided ratio region for discrete actions.
 
     [l, u] = [min over, max over] pi(a)/pi_old(a) subject to KL(pi_old || pi) <= delta; for discrete
     actions the optimum rescales the other actions proportionally, so only q is needed and the
-    bounds solve binary_kl(q, r) = delta on each side of 1.
+    bounds solve q log(1/r) + (1-q) log((1-q)/(1-rq)) = delta on each side of 1.
     With `epsilon`, the region is widened to at least [1 - eps, 1 + eps] as in the paper:
     [min(l, 1 - eps), max(u, 1 + eps)]. `epsilon=None` gives the raw KL bounds (official code).
     Works on floats, numpy arrays and torch tensors (returned in q's dtype).
