@@ -60,15 +60,6 @@ def cispo(batch: PolicyBatch, *, epsilon_low: float | None, epsilon_high: float)
                              capped_frac=(w < low) | (w > high))
 
 
-def _entropy_split_epsilon(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, low_eps: float,
-                           high_eps: float) -> torch.Tensor:
-    """Archer2.0 dual-token split: tokens at or above the per-response `quantile` of entropy (the top
-    20 % by default) get high_eps, the rest low_eps."""
-    masked = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("nan")))
-    threshold = torch.nanquantile(masked.float(), quantile, dim=-1, keepdim=True).to(entropy.dtype)
-    return torch.where(entropy >= threshold, torch.full_like(entropy, high_eps), torch.full_like(entropy, low_eps))
-
-
 @register_objective(
     "aspo",
     source="ASPO asymmetric importance sampling, Wang et al. 2025 (arXiv 2510.06062); code wizard-III/Archer2.0",
@@ -93,9 +84,12 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     for both eps (Archer2.0's default scheme); the default is the single-eps ASPO of the paper."""
     w, adv, c = batch.ratio, batch.advantages, clip_ratio_c
     eps_low, eps_high = epsilon_low, epsilon_high
-    if entropy_split:
-        eps_low = eps_high = _entropy_split_epsilon(batch.extra("entropy", "aspo"), batch.mask, entropy_quantile,
-                                                    epsilon_low, high_entropy_epsilon)
+    if entropy_split:  # Archer2.0: split at the per-response entropy quantile of the valid tokens
+        entropy = batch.extra("entropy", "aspo")
+        masked = torch.where(batch.mask > 0, entropy.detach(), torch.full_like(entropy, float("nan")))
+        threshold = torch.nanquantile(masked.float(), entropy_quantile, dim=-1, keepdim=True).to(entropy.dtype)
+        eps_low = eps_high = torch.where(entropy >= threshold, torch.full_like(entropy, high_entropy_epsilon),
+                                         torch.full_like(entropy, epsilon_low))
     upper, lower = 1 + eps_high, 1 - eps_low  # floats, or (B, T) tensors with entropy_split
     pos, neg = adv > 0, adv < 0
     above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c

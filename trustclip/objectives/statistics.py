@@ -102,12 +102,10 @@ class PolicyMetrics(Mapping[str, float]):
     floats (`dict(metrics)` for a dict). It keeps detached tensors only, never the autograd graph."""
 
     def __init__(self, out: TokenLoss, batch: PolicyBatch) -> None:
-        self._inputs = (
-            TokenLoss(out.loss.detach(), out.clipped_low, out.clipped_high,
-                      {key: value.detach() for key, value in out.stats.items()}),
-            PolicyBatch(batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask, batch.log_ratio.detach(),
-                        batch.ratio.detach()),
-        )
+        stats = {key: value.detach() for key, value in out.stats.items()}
+        self._inputs = (TokenLoss(out.loss.detach(), out.clipped_low, out.clipped_high, stats),
+                        PolicyBatch(batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask,
+                                    batch.log_ratio.detach(), batch.ratio.detach()))
 
     @cached_property
     def _values(self) -> dict[str, float]:
