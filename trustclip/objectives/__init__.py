@@ -15,7 +15,7 @@ from trustclip.objectives.constraints import (
     kl_constraint,
 )
 from trustclip.objectives.full_kl import full_vocab_logprobs
-from trustclip.objectives.loss import compute_policy_loss, compute_token_loss, policy_metrics
+from trustclip.objectives.loss import compute_policy_loss, compute_token_loss
 from trustclip.objectives.registry import (
     REGISTRY,
     Objective,
@@ -25,7 +25,7 @@ from trustclip.objectives.registry import (
     ratio_bounds,
     register_objective,
 )
-from trustclip.objectives.statistics import PolicyMetrics, reduce_statistics, token_statistics
+from trustclip.objectives.statistics import PolicyMetrics, policy_metrics, reduce_statistics, token_statistics
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DeltaController", "DivergenceConstraint",

@@ -62,6 +62,6 @@ def aggregate(
 
 def _positive(name: str, value: float) -> float:
     value = float(value)
-    if not value > 0 or value != value or value == float("inf"):
+    if not 0 < value < float("inf"):  # NaN fails both comparisons
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return value

@@ -3,9 +3,6 @@
 Validation lives here so that each objective can be a short formula: shapes are checked, advantages
 are broadcast to (B, T), padded positions are neutralised (their values never reach the loss or the
 gradient), and non-finite values on real tokens are rejected with the position that holds them.
-
-The usual batch (every input finite, |log w| within the clamp) is validated from a handful of reductions read
-back in one transfer; anything else takes the token-by-token path, which finds and names the bad value.
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ class PolicyBatch:
 
     def extra(self, name: str, objective: str) -> torch.Tensor:
         if name not in self.extras:
-            raise ValueError(
-                f"objective {objective!r} needs the extra input {name!r} (a (B, T) tensor); "
-                f"pass it as compute_policy_loss(..., {name}=tensor)"
-            )
+            raise ValueError(f"objective {objective!r} needs the extra input {name!r} (a (B, T) tensor); "
+                             f"pass it as compute_policy_loss(..., {name}=tensor)")
         return self.extras[name]
 
 
@@ -81,7 +76,12 @@ def make_batch(
     for name, x in extras.items():
         if not isinstance(x, torch.Tensor) or x.shape != shape:
             raise ValueError(f"extra input {name!r} has shape {_describe(x)}, expected {tuple(shape)}")
-    advantages = _broadcast_advantages(advantages, shape)  # (B, T); (B, 1) when given per sequence
+    if not isinstance(advantages, torch.Tensor):
+        raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
+    if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
+        advantages = advantages.unsqueeze(1)  # per sequence: (B, 1), which broadcasts against (B, T)
+    elif advantages.shape not in (shape, (shape[0], 1)):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}")
     checked = [name for name in nonnegative if name in extras]
     return (_fast_batch(logp, old_logp, advantages, mask, extras, checked)
             or _checked_batch(logp, old_logp, advantages, mask, extras, checked))
@@ -129,10 +129,8 @@ def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
     for name, x in (("logp", logp), ("old_logp", old_logp)):
         too_big = (x.detach() > LOGP_MAX) & valid
         if too_big.any():
-            raise ValueError(
-                f"{name} must hold log-probabilities (<= 0); found {x.detach()[too_big].max().item():.4g}. "
-                "Were logits passed instead?"
-            )
+            raise ValueError(f"{name} must hold log-probabilities (<= 0); found {x.detach()[too_big].max().item():.4g}"
+                             ". Were logits passed instead?")
 
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     # Padding is replaced by a harmless constant so NaN/inf there cannot leak through 0 * x.
@@ -148,19 +146,6 @@ def _checked_batch(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
         _reject(name, clean_extras[name], (clean_extras[name].detach() < -NONNEGATIVE_TOLERANCE) & valid, NEGATIVE)
     return PolicyBatch(logp=logp, old_logp=old_logp, advantages=advantages, mask=valid.to(logp.dtype),
                        log_ratio=log_ratio, ratio=log_ratio.exp(), extras=clean_extras)
-
-
-def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """(B, T) advantages as given, per-sequence ones as (B, 1) (they broadcast against (B, T))."""
-    if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
-    if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
-        return advantages.unsqueeze(1)
-    if advantages.shape in (shape, (shape[0], 1)):
-        return advantages
-    raise ValueError(
-        f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},) or {tuple(shape)}"
-    )
 
 
 def _describe(x: object) -> str:

@@ -68,10 +68,8 @@ def _interval_bounds(low_key: str, high_key: str):
     bounds=lambda hp: (0.0, math.inf),
 )
 def unconstrained(batch: PolicyBatch) -> TokenLoss:
-    """J = w A, phi = w on every token: importance-corrected policy gradient with no constraint at all.
-
-    The null hypothesis of every trust region: an objective is only shown to matter where it differs from this
-    control (on-policy, w = 1, every ratio objective here equals it exactly). Nothing is ever clipped."""
+    """J = w A, phi = w on every token, nothing clipped: the control a trust region is shown to matter against
+    (on-policy, w = 1, every ratio objective here equals it exactly)."""
     w, adv = batch.ratio, batch.advantages
     none = torch.zeros_like(w, dtype=torch.bool)
     return TokenLoss(loss=-w * adv, clipped_low=none, clipped_high=none)
@@ -137,8 +135,7 @@ def dual_clip(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, cl
 def dcpo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, max_high: float,
          clip_ratio_c: float | None) -> TokenLoss:
     """DCPO: J = min(w A, clip(w, l(q), u(q)) A) with
-    l(q) = 1/2 + 1/2 sqrt(max(1 - 4 eps_l / q, 0)), u(q) = min(1/2 + 1/2 sqrt(1 + 4 eps_h / q), max_high).
-    Defaults follow the paper's table (0.16 / 0.2); the official scripts use (0.2, 0.28) with c = 10."""
+    l(q) = 1/2 + 1/2 sqrt(max(1 - 4 eps_l / q, 0)), u(q) = min(1/2 + 1/2 sqrt(1 + 4 eps_h / q), max_high)."""
     constraint = ProbabilityInterval("dcpo", lambda q: B.dcpo_bounds(q, epsilon_low, epsilon_high, max_high))
     return apply_dual_clip(clipped_surrogate(batch, constraint), batch, clip_ratio_c)
 

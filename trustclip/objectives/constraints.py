@@ -112,8 +112,7 @@ def custom_divergence(divergence: Callable, delta: float, name: str = "custom") 
     def scalar(w: float) -> float:
         return float(divergence(torch.tensor(w, dtype=torch.float64)))
 
-    low, high = B.divergence_bounds(scalar, delta)
-    return DivergenceConstraint(name, divergence, B.check_delta(delta), (low, high))
+    return DivergenceConstraint(name, divergence, B.check_delta(delta), B.divergence_bounds(scalar, delta))
 
 
 @dataclass(frozen=True)

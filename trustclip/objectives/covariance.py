@@ -50,9 +50,7 @@ def clip_cov(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, cli
     k = max(int(clip_cov_ratio * int(valid.sum())), 1)
     generator = None if seed is None else torch.Generator(device="cpu").manual_seed(int(seed))
     chosen = candidates[torch.randperm(len(candidates), generator=generator)[:k].to(candidates.device)]
-    detached = torch.zeros(w.numel(), dtype=torch.bool, device=w.device)
-    detached[chosen] = True
-    detached = detached.view_as(w)
+    detached = torch.zeros(w.numel(), dtype=torch.bool, device=w.device).index_fill_(0, chosen, True).view_as(w)
     loss = torch.where(detached, torch.zeros_like(w), torch.maximum(unclipped, clipped))
     return TokenLoss.outside(loss, adv, below=clipped_by_ratio, above=clipped_by_ratio, cov_selected_frac=detached)
 
@@ -80,9 +78,7 @@ def kl_cov(batch: PolicyBatch, *, kl_cov_ratio: float, ppo_kl_coef: float) -> To
     cov = centred_covariance(batch).flatten()[flat_valid]
     top_cov, top_idx = torch.topk(cov, k, largest=True)
     top = flat_valid[top_idx[top_cov > 0]]
-    penalised = torch.zeros(w.numel(), dtype=torch.bool, device=w.device)
-    penalised[top] = True
-    penalised = penalised.view_as(w)
+    penalised = torch.zeros(w.numel(), dtype=torch.bool, device=w.device).index_fill_(0, top, True).view_as(w)
     loss = torch.where(penalised, loss + ppo_kl_coef * batch.log_ratio.abs(), loss)
     none = torch.zeros_like(penalised)
     return TokenLoss(loss, clipped_low=none, clipped_high=none, stats={"cov_selected_frac": penalised})

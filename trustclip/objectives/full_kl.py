@@ -84,8 +84,7 @@ def full_vocab_logprobs(
             pieces.append(checkpoint(chunk_scores, *args, use_reentrant=False))
         else:
             pieces.append(chunk_scores(*args))
-    columns = zip(*pieces, strict=True)
-    logp, entropy, *rest = [torch.cat(column).reshape(*shape, *column[0].shape[1:]) for column in columns]
+    logp, entropy, *rest = [torch.cat(x).reshape(*shape, *x[0].shape[1:]) for x in zip(*pieces, strict=True)]
     if keep_topk is not None:
         return FullVocabLogProbs(logp, entropy, topk=TopKLogProbs(*rest))
     return FullVocabLogProbs(logp, entropy, kl=rest[0] if rest else None)
@@ -98,9 +97,7 @@ def _logits(head: Head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _vocabulary(head: Head, probe: torch.Tensor) -> int:
-    if isinstance(head, torch.Tensor):
-        return head.size(0)
-    weight = getattr(head, "weight", None)
+    weight = head if isinstance(head, torch.Tensor) else getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight.size(0)
     with torch.no_grad():
@@ -118,8 +115,7 @@ def _check(hidden: torch.Tensor, targets: torch.Tensor, temperature: float, old_
         raise ValueError(f"temperature={temperature} must be > 0")
     if (old_hidden is None) != (old_head is None):
         raise ValueError("the exact KL needs both old_hidden and old_head (pi_old's hidden states and LM head)")
-    given = sum(x is not None for x in (old_hidden, old_topk, keep_topk))
-    if given > 1:
+    if sum(x is not None for x in (old_hidden, old_topk, keep_topk)) > 1:
         raise ValueError("give at most one of old_hidden (exact KL), old_topk (top-k KL) and keep_topk")
     if old_hidden is not None and old_hidden.shape != hidden.shape:
         raise ValueError(f"old_hidden has shape {tuple(old_hidden.shape)}, expected {tuple(hidden.shape)}")

@@ -7,7 +7,7 @@ import torch
 from trustclip.objectives.aggregation import aggregate, check_aggregation
 from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.registry import Objective, TokenLoss, get_objective
-from trustclip.objectives.statistics import PolicyMetrics, reduce_statistics, token_statistics
+from trustclip.objectives.statistics import PolicyMetrics
 
 EXTRA_INPUTS = ("entropy", "full_kl")
 NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")  # see batch.NONNEGATIVE_TOLERANCE
@@ -28,38 +28,29 @@ def compute_token_loss(
     `token_weights` (B, T) multiplies the per-token loss (e.g. rollout importance-sampling
     corrections); extras are (B, T) tensors some objectives need: `entropy`, `full_kl`.
     """
-    objective = get_objective(objective) if isinstance(objective, str) else objective
+    objective = get_objective(objective)
     unknown = set(extra) - set(EXTRA_INPUTS)
     if unknown:
         raise ValueError(f"unknown extra input(s) {sorted(unknown)}; valid: {', '.join(EXTRA_INPUTS)}")
     missing = [name for name in objective.requires if extra.get(name) is None]
     if missing:
-        raise ValueError(
-            f"objective {objective.name!r} needs the extra input(s) {missing} as (B, T) tensors "
-            f"(e.g. compute_policy_loss(..., {missing[0]}=tensor))"
-        )
-    if token_weights is not None:
-        extra = {**extra, "token_weights": token_weights}
-    batch = make_batch(logp, old_logp, advantages, mask, extra, nonnegative=NONNEGATIVE_INPUTS)
+        raise ValueError(f"objective {objective.name!r} needs the extra input(s) {missing} as (B, T) tensors "
+                         f"(e.g. compute_policy_loss(..., {missing[0]}=tensor))")
+    # make_batch validates the weights with the extras (and drops them when None)
+    batch = make_batch(logp, old_logp, advantages, mask, {**extra, "token_weights": token_weights},
+                       nonnegative=NONNEGATIVE_INPUTS)
     weights = batch.extras.pop("token_weights", None)
     out = objective(batch)
     out.loss = out.loss * batch.mask if weights is None else out.loss * batch.mask * weights.detach()
     return out, batch
 
 
-def _check_global_count(name: str, value: float | None, local: float, what: str) -> None:
+def _check_global_count(name: str, value: float, local: float, what: str) -> None:
     """A global count of the optimizer step counts this micro-batch too, so it cannot be smaller."""
-    if value is not None and float(value) < local:
+    if float(value) < local:
         raise ValueError(f"{name}={value} is smaller than this batch's {local:g} {what}: it must be the global count "
                          "of the optimizer step (every micro-batch and process; with DDP also pass num_processes), "
                          "or None for this batch alone")
-
-
-def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
-    """Plain-float metrics of this batch alone: the masked means of `token_statistics` (clip fractions,
-    `offpolicy_frac`, ratio mean, mean KL3, the objective's own statistics) and the ratio's min / max over the
-    valid tokens (`trustclip.objectives.statistics`)."""
-    return reduce_statistics(token_statistics(out, batch), batch.mask)[0]
 
 
 def compute_policy_loss(
@@ -80,22 +71,18 @@ def compute_policy_loss(
     """Policy loss of `objective` on one batch, and its metrics (`policy_metrics`, a mapping of floats reduced when
     first read).
 
-    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation` is one of token_mean,
-    seq_mean_token_mean, seq_mean_token_sum, dr_grpo (L_max = `max_len`). `num_tokens` / `num_sequences` are the
-    global counts of the optimizer step (every micro-batch on every process), for faithful normalisation across
-    gradient accumulation and processes (see `trustclip.objectives.aggregation`); a count below this batch's is an
-    error. `num_processes`: with DDP, which averages the processes' gradients, each returns num_processes times its
-    share, so that the average is the one-big-batch gradient. With seq_mean_token_sum, `num_sequences` is the
-    normaliser of a sum (1 gives the plain token sum, verl's token-sum) and is not checked. Raises ValueError on
-    bad input.
+    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation`: one of AGGREGATIONS (dr_grpo's L_max is
+    `max_len`). `num_tokens` / `num_sequences`: the global counts of the optimizer step (every micro-batch on every
+    process), for a gradient however the step is split (`trustclip.objectives.aggregation`); a count below this
+    batch's is an error, except `num_sequences` with seq_mean_token_sum, the normaliser of a sum (1: verl's
+    token-sum). `num_processes`: with DDP, which averages the processes' gradients, each returns num_processes times
+    its share, so that the average is the one-big-batch gradient. Raises ValueError on bad input.
     """
     check_aggregation(aggregation)
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
-    out, batch = compute_token_loss(
-        objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
-        token_weights=token_weights, **extra,
-    )
+    out, batch = compute_token_loss(objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
+                                    token_weights=token_weights, **extra)
 
     def share(count: float | None) -> float | None:
         return None if count is None else float(count) / num_processes

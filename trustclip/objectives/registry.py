@@ -99,8 +99,7 @@ def register_objective(name: str, *, source: str, summary: str, params: Mapping[
             raise ValueError(f"objective {name!r} is already registered")
         spec = ObjectiveSpec(name, fn, MappingProxyType(dict(params or {})), source, summary, **options)
         REGISTRY[name] = spec
-        for alias in spec.aliases:
-            ALIASES[alias] = name
+        ALIASES.update(dict.fromkeys(spec.aliases, name))
         return fn
 
     return wrap
@@ -190,6 +189,6 @@ def list_objectives() -> list[dict[str, Any]]:
             "source": spec.source,
             "summary": spec.summary,
             "defaults": {k: v for k, v in defaults.items() if k != "constraint"},
-            "requires": list(spec.requires(defaults)) if "constraint" not in spec.params else [],
+            "requires": list(spec.requires(defaults)),
         })
     return rows

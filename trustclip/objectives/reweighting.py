@@ -33,10 +33,10 @@ def sapo(batch: PolicyBatch, *, tau_pos: float, tau_neg: float) -> TokenLoss:
     The paper aggregates seq_mean_token_mean (as TRL's loss_type='sapo' and verl do)."""
     w, adv = batch.ratio, batch.advantages
     tau = torch.where(adv > 0, torch.full_like(w, tau_pos), torch.full_like(w, tau_neg))
-    gate = torch.sigmoid(tau * (w - 1)) * 4 / tau
-    s = torch.sigmoid(tau * (w - 1)).detach()
+    s = torch.sigmoid(tau * (w - 1))
     none = torch.zeros_like(w, dtype=torch.bool)
-    return TokenLoss(-gate * adv, clipped_low=none, clipped_high=none, stats={"gate_weight_mean": 4 * s * (1 - s)})
+    return TokenLoss(-(s * 4 / tau) * adv, clipped_low=none, clipped_high=none,
+                     stats={"gate_weight_mean": 4 * s.detach() * (1 - s.detach())})
 
 
 @register_objective(
@@ -58,15 +58,6 @@ def cispo(batch: PolicyBatch, *, epsilon_low: float | None, epsilon_high: float)
     weight = w.clamp(min=low, max=high).detach()
     return TokenLoss.outside(-weight * adv * batch.logp, adv, below=w < low, above=w > high,
                              capped_frac=(w < low) | (w > high))
-
-
-def _entropy_split_epsilon(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, low_eps: float,
-                           high_eps: float) -> torch.Tensor:
-    """Archer2.0 dual-token split: tokens at or above the per-response `quantile` of entropy (the top
-    20 % by default) get high_eps, the rest low_eps."""
-    masked = torch.where(mask > 0, entropy.detach(), torch.full_like(entropy, float("nan")))
-    threshold = torch.nanquantile(masked.float(), quantile, dim=-1, keepdim=True).to(entropy.dtype)
-    return torch.where(entropy >= threshold, torch.full_like(entropy, high_eps), torch.full_like(entropy, low_eps))
 
 
 @register_objective(
@@ -92,12 +83,13 @@ def aspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float, clip_ra
     With entropy_split the top (1 - quantile) entropy tokens of each response use high_entropy_epsilon
     for both eps (Archer2.0's default scheme); the default is the single-eps ASPO of the paper."""
     w, adv, c = batch.ratio, batch.advantages, clip_ratio_c
-    if entropy_split:
-        eps = _entropy_split_epsilon(batch.extra("entropy", "aspo"), batch.mask, entropy_quantile,
-                                     epsilon_low, high_entropy_epsilon)
-        eps_low = eps_high = eps
-    else:
-        eps_low, eps_high = epsilon_low, epsilon_high
+    eps_low, eps_high = epsilon_low, epsilon_high
+    if entropy_split:  # Archer2.0: split at the per-response entropy quantile of the valid tokens
+        entropy = batch.extra("entropy", "aspo")
+        masked = torch.where(batch.mask > 0, entropy.detach(), torch.full_like(entropy, float("nan")))
+        threshold = torch.nanquantile(masked.float(), entropy_quantile, dim=-1, keepdim=True).to(entropy.dtype)
+        eps_low = eps_high = torch.where(entropy >= threshold, torch.full_like(entropy, high_entropy_epsilon),
+                                         torch.full_like(entropy, epsilon_low))
     upper, lower = 1 + eps_high, 1 - eps_low  # floats, or (B, T) tensors with entropy_split
     pos, neg = adv > 0, adv < 0
     above, below, tiny, huge = w > upper, w < lower, w < 1 / c, w > c
@@ -137,8 +129,7 @@ def sequence_clipped_surrogate(batch: PolicyBatch, constraint: Constraint) -> To
 )
 def gspo(batch: PolicyBatch, *, epsilon_low: float, epsilon_high: float) -> TokenLoss:
     """J_i = min(s_i A_i, clip(s_i, 1 - eps_l, 1 + eps_h) A_i), s_i = exp((1/L_i) sum_t log w_t), in verl's
-    GSPO-token form (`sequence_clipped_surrogate`), whose gradient with seq_mean_token_mean aggregation (the
-    paper's) equals GSPO's."""
+    GSPO-token form (`sequence_clipped_surrogate`)."""
     return sequence_clipped_surrogate(batch, RatioInterval(1 - epsilon_low, 1 + epsilon_high))
 
 

@@ -23,11 +23,6 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 _BEYOND_ANY_RATIO = 1e30  # added to padding for the ratio's min; ratios are at most exp(LOG_RATIO_CLAMP) ~ 4.9e8
 
 
-def offpolicy_tokens(ratio: torch.Tensor) -> torch.Tensor:
-    """Bool (B, T): |w - 1| > OFFPOLICY_EPSILON."""
-    return (ratio.detach() - 1).abs() > OFFPOLICY_EPSILON
-
-
 @dataclass
 class TokenStatistics:
     """What one loss evaluation measures: `means` (B, T) series, each logged as its mean over the valid tokens;
@@ -48,7 +43,7 @@ def token_statistics(out: TokenLoss, batch: PolicyBatch) -> TokenStatistics:
         "clip_frac_low": out.clipped_low,
         "clip_frac_high": out.clipped_high,
         "clip_frac": out.clipped_low | out.clipped_high,
-        "offpolicy_frac": offpolicy_tokens(ratio),
+        "offpolicy_frac": (ratio - 1).abs() > OFFPOLICY_EPSILON,
         "ratio_mean": ratio,
         "kl3_mean": ratio - 1 - batch.log_ratio.detach(),
     }
@@ -95,23 +90,26 @@ def reduce_statistics(
     return metrics, count
 
 
+def policy_metrics(out: TokenLoss, batch: PolicyBatch) -> dict[str, float]:
+    """Plain-float metrics of this batch alone: the masked means of `token_statistics` (clip fractions,
+    `offpolicy_frac`, ratio mean, mean KL3, the objective's own statistics) and the ratio's min / max."""
+    return reduce_statistics(token_statistics(out, batch), batch.mask)[0]
+
+
 class PolicyMetrics(Mapping[str, float]):
     """The metrics of one batch (`policy_metrics`), reduced when first read: a training loop that logs every k steps
     pays for the reduction, and its device-to-host transfer, only on those steps. A read-only mapping of plain
     floats (`dict(metrics)` for a dict). It keeps detached tensors only, never the autograd graph."""
 
     def __init__(self, out: TokenLoss, batch: PolicyBatch) -> None:
-        self._inputs = (
-            TokenLoss(out.loss.detach(), out.clipped_low, out.clipped_high,
-                      {key: value.detach() for key, value in out.stats.items()}),
-            PolicyBatch(batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask, batch.log_ratio.detach(),
-                        batch.ratio.detach()),
-        )
+        stats = {key: value.detach() for key, value in out.stats.items()}
+        self._inputs = (TokenLoss(out.loss.detach(), out.clipped_low, out.clipped_high, stats),
+                        PolicyBatch(batch.logp.detach(), batch.old_logp, batch.advantages, batch.mask,
+                                    batch.log_ratio.detach(), batch.ratio.detach()))
 
     @cached_property
     def _values(self) -> dict[str, float]:
-        out, batch = self._inputs
-        values = reduce_statistics(token_statistics(out, batch), batch.mask)[0]
+        values = policy_metrics(*self._inputs)
         self._inputs = None  # the tensors are no longer needed
         return values
 
