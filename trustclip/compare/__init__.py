@@ -26,9 +26,17 @@ EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval a
 
 
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
-    """The settings an earlier compare saved in `output_dir` (None when there are none)."""
-    saved = read_json(Path(output_dir) / SETTINGS_FILE)
-    return saved if isinstance(saved, dict) else None
+    """The settings an earlier compare saved in `output_dir` (None when there are none). Those of a version that had
+    `--hparam` are read when they used none; otherwise the error says how to write them now."""
+    saved = read_json(path := Path(output_dir) / SETTINGS_FILE)
+    if not isinstance(saved, dict):
+        return None
+    if hparams := saved.pop("hparams", None):
+        name, _, setting = str(hparams[0]).partition(".")
+        raise ValueError(f"{path} was saved with --hparam {' '.join(map(str, hparams))}, an option that was removed: "
+                         f"give the objectives' hyper-parameters in brackets with --objectives (--hparam {hparams[0]} "
+                         f"is --objectives \"{name}[{setting}]\")")
+    return saved
 
 
 def _experiment(default: Any) -> Any:
@@ -50,7 +58,6 @@ class CompareSettings:
     config: str | None = _experiment(None)
     overrides: list[str] = _experiment([])
     sweep: str | None = _experiment(None)
-    hparams: list[str] = _experiment([])
     share_sft: bool = _experiment(True)
     eval_every: int | None = _experiment(None)  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
     # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
@@ -95,11 +102,9 @@ class CompareSettings:
     def plan(self) -> list[RunSpec]:
         """The runs; a report-only rebuild of the saved experiment plans from its saved base config (the recipe file
         may have changed since; the runs have not)."""
-        labels = planning.parse_objectives(self.objectives)
-        saved = read_saved(self.output_dir)
-        same = self.report_only and saved is not None and saved.get("experiment") == self.experiment()
-        return plan_runs(labels, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
-                         hparams=planning.parse_hparams(self.hparams, labels),
+        saved = read_saved(self.output_dir) if self.report_only else None
+        same = saved is not None and {k: saved.get(k) for k in EXPERIMENT_KEYS} == self.experiment()
+        return plan_runs(self.objectives, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
                          base=(same and saved.get("base_config")) or self.base_config(), share_sft=self.share_sft)
 
     @property
@@ -159,10 +164,9 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     else:
         if not settings.redo_changed:
             check_changed(runs)  # refuse before touching compare.json
-        experiment = settings.experiment()
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
-            "experiment": experiment, **experiment, "base_config": settings.base_config(),
-            "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            **settings.experiment(), "base_config": settings.base_config(), "reference": settings.reference,
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
                          threads=settings.threads_per_job, resume_partial=settings.resume_partial,
