@@ -39,30 +39,31 @@ def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
     return saved
 
 
-def _experiment(default: Any) -> Any:
-    """A field that defines the runs: part of `CompareSettings.experiment()`, saved in compare.json."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"experiment": True})
-    return field(default=default, metadata={"experiment": True})
+@dataclass(kw_only=True)
+class Experiment:
+    """What defines the runs, saved in compare.json: groups (objectives x sweep values) x seeds x settings."""
+
+    objectives: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    sweep: str | None = None
+    share_sft: bool = True
+    eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
+    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
+    # RL from the same SFT model per seed); None: output_dir
+    runs_dir: str | None = None
 
 
-@dataclass
-class CompareSettings:
+EXPERIMENT_KEYS = tuple(f.name for f in fields(Experiment))  # compare.json
+
+
+@dataclass(kw_only=True)
+class CompareSettings(Experiment):
     """Everything `trustclip compare` needs (`trustclip.commands.compare` builds it from the command line); the numbers
     are checked on creation, before anything is planned or written."""
 
     output_dir: Path
-    # the experiment: what defines the runs
-    objectives: list[str] = _experiment([])
-    seeds: list[int] = _experiment(list(range(DEFAULT_SEEDS)))
-    config: str | None = _experiment(None)
-    overrides: list[str] = _experiment([])
-    sweep: str | None = _experiment(None)
-    share_sft: bool = _experiment(True)
-    eval_every: int | None = _experiment(None)  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
-    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
-    # RL from the same SFT model per seed); None: output_dir
-    runs_dir: str | None = _experiment(None)
     # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
@@ -111,16 +112,8 @@ class CompareSettings:
     def runs_root(self) -> Path:
         return Path(self.runs_dir) if self.runs_dir else self.output_dir
 
-    def reference_group(self, runs: list[RunSpec]) -> str:
-        """The reference group among the planned runs (raises ValueError naming the groups)."""
-        groups = [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"]
-        return planning.resolve_reference(self.reference, groups)
 
-
-EXPERIMENT_KEYS = tuple(f.name for f in fields(CompareSettings) if f.metadata.get("experiment"))  # compare.json
-
-
-def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str],
+def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str], reference: str,
                  say: Callable[[str], None]) -> dict[str, Path] | None:
     """Report on the finished runs of the plan (None when none has finished); unreadable runs join `failed`."""
     records, rl = [], [s for s in runs if s.kind == "rl"]
@@ -134,7 +127,7 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
         say("no finished runs yet: no report written")
         return None
     paths = write_report(records, group_runs(records), settings.output_dir, settings=settings.experiment(),
-                         planned=rl, failed=failed, window=settings.smooth, reference=settings.reference_group(runs),
+                         planned=rl, failed=failed, window=settings.smooth, reference=reference,
                          sft_runs=[s for s in runs if s.kind == "sft"])
     say(f"report: {paths['report']} ({len(records)}/{len(rl)} runs; {len(paths) - 4} figures)")
     return paths
@@ -144,7 +137,8 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     """Plan, run what is unfinished, report. Exit code: 0 all runs finished, 1 some failed or missing,
     130 interrupted."""
     runs = settings.plan()
-    reference = settings.reference_group(runs)  # a bad --reference fails before any run starts
+    groups = [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"]
+    reference = planning.resolve_reference(settings.reference, groups)  # a bad one fails before any run starts
     if settings.pipeline is None:
         check_runs(runs)  # every run as `trustclip train` checks it, before any starts (also with --dry-run)
     rl = [r for r in runs if r.kind == "rl"]
@@ -177,5 +171,5 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         if result.interrupted:
             return 130
         failed = result.failed
-    build_report(settings, runs, failed, say)
+    build_report(settings, runs, failed, reference, say)
     return 0 if all(is_finished(r) for r in runs) else 1

@@ -102,7 +102,7 @@ def canonical_text(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ parsing
 def parse_entry(item: str) -> Entry:
-    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]', spec)."""
+    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry({...}, 'clip_higher[epsilon_low=0.3,...]', spec)."""
     from trustclip.objectives.registry import resolve_name  # imports torch: not before a name is resolved
 
     match = re.fullmatch(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?", re.sub(r"\s+", "", item))
@@ -156,11 +156,10 @@ def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) 
     candidates = [g for g, _, _ in groups if g == name]
     with contextlib.suppress(ValueError):  # not an item of --objectives: no other match
         entry = parse_entry(name)
-        candidates = candidates or [g for g, label, _ in groups if label == entry.label]
-        if not candidates and not entry.kwargs:  # an objective name: its one group without brackets, else its groups
-            same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
-            plain = [g for g, label in same if "[" not in label]
-            candidates = plain if len(plain) == 1 else [g for g, _ in same]
+        same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
+        plain = [g for g, label in same if "[" not in label]  # an objective name: its one such group, else all its
+        candidates = (candidates or [g for g, label in same if label == entry.label]
+                      or ([] if entry.kwargs else plain if len(plain) == 1 else [g for g, _ in same]))
     if len(candidates) == 1:
         return candidates[0]
     if candidates:

@@ -26,7 +26,7 @@ from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK = "compare_log.jsonl", "worker.log", ".compare.lock"
 COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
-PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"
+PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"  # the compare's pid: a worker started after its death exits too
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL
 # The worker runs this module as __main__ from the package the compare itself imported: `python -m` would put the
 # working directory first on sys.path, so a compare started from one checkout could run its workers from another.
@@ -121,6 +121,8 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     out, say = Execution(), progress
     running: dict[str, tuple[subprocess.Popen, float]] = {}  # run id -> (worker, start time)
     lock, stopping = threading.Lock(), threading.Event()  # `lock`: `out`, `running` and the log, across threads
+    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
 
     def log(event: str, run_id: str, **extra: Any) -> None:
         append_jsonl(Path(log_dir or root) / LOG_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event,
@@ -143,9 +145,6 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             resumed = prepare_run_dir(spec, resume_partial, pipeline)
             cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads),
                    *(["--resume"] if resumed else [])]
-            env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1",
-                   "TOKENIZERS_PARALLELISM": "false",
-                   **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}
             with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
                 process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True, pass_fds=(lock_fd,))
@@ -257,10 +256,7 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False) -> i
     """Run one spec to completion; returns a process exit code (0 = finished and marked complete). Torch's threads
     follow OMP_NUM_THREADS, which the compare sets."""
     run_dir = Path(run_dir)
-    spec = read_json(run_dir / SPEC_FILE)
-    if not isinstance(spec, dict) or "config" not in spec:
-        print(f"worker: {run_dir / SPEC_FILE} is missing or unreadable", file=sys.stderr)
-        return 2
+    spec = read_json(run_dir / SPEC_FILE)  # the compare wrote it just before it started this worker
     module, _, name = spec.get("pipeline", "trustclip.train.pipeline:run_pipeline").partition(":")
     start = time.time()
     print(f"worker: run {spec['run_id']} ({spec['fingerprint']}), {threads} thread(s), resume={resume}", flush=True)
@@ -274,21 +270,17 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False) -> i
     return 0
 
 
-def _watch_parent(parent: int) -> None:
-    """Once the compare that started this worker is gone, exit hard with the process group (the run's own
-    subprocesses): a killed compare leaves no orphan writing its run."""
-
-    def loop() -> None:
-        while os.getppid() == parent:
-            time.sleep(2.0)
-        with contextlib.suppress(OSError):
-            os.killpg(os.getpid(), signal.SIGKILL)  # the worker leads its group (start_new_session)
-        os._exit(75)
-
-    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
+def _exit_with_parent(parent: int) -> None:
+    """(A worker's daemon thread) once the compare that started the worker is gone, kill its process group (the run's
+    own subprocesses too) and exit: a killed compare leaves no orphan writing its run."""
+    while os.getppid() == parent:
+        time.sleep(2.0)
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpid(), signal.SIGKILL)  # the worker leads its group (start_new_session)
+    os._exit(75)
 
 
 if __name__ == "__main__":  # a worker started by the compare: RUN_DIR THREADS [--resume]
     if (parent := os.environ.get(PARENT_ENV, "")).isdigit():
-        _watch_parent(int(parent))
+        threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True, name="parent-watch").start()
     sys.exit(run_worker(sys.argv[1], max(1, int(sys.argv[2])), "--resume" in sys.argv[3:]))
