@@ -137,11 +137,11 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     """Plan, run what is unfinished, report. Exit code: 0 all runs finished, 1 some failed or missing,
     130 interrupted."""
     runs = settings.plan()
-    groups = [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"]
-    reference = planning.resolve_reference(settings.reference, groups)  # a bad one fails before any run starts
-    if settings.pipeline is None:
-        check_runs(runs)  # every run as `trustclip train` checks it, before any starts (also with --dry-run)
     rl = [r for r in runs if r.kind == "rl"]
+    # a bad --reference, or a run `trustclip train` would refuse, fails before any run starts (also with --dry-run)
+    reference = planning.resolve_reference(settings.reference, [(r.group, r.label, r.objective) for r in rl])
+    if settings.pipeline is None:
+        check_runs(runs)
     sft = f" + {len(runs) - len(rl)} shared SFT runs" if len(rl) < len(runs) else ""
     say(f"compare: {len(rl)} runs ({len({r.group for r in rl})} objectives/settings x {len(settings.seeds)} seeds)"
         f"{sft} in {settings.output_dir}")
