@@ -21,7 +21,7 @@ import pytest
 
 from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
-from trustclip.compare.plan import parse_hparams, parse_objectives, parse_seeds, parse_sweep, resolve_reference
+from trustclip.compare.plan import parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import ChangedRunError, execute
 from trustclip.compare.stats import stat
 from trustclip.files import read_jsonl, write_json_atomic
@@ -133,9 +133,8 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
 
 
 def test_sweep_applies_to_objectives_that_have_the_parameter(tmp_path):
-    runs = plan_runs(["clip", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.03,0.1"),
-                     hparams=parse_hparams(["clip.epsilon=0.3"], ["clip", "atr"]), share_sft=False)
-    assert [r.group for r in runs] == ["clip", "atr_delta=0.03", "atr_delta=0.1"]
+    runs = plan_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.03,0.1"), share_sft=False)
+    assert [r.group for r in runs] == ["clip[epsilon=0.3]", "atr_delta=0.03", "atr_delta=0.1"]
     assert runs[0].hparams == {"epsilon": 0.3} and runs[0].sweep_key is None
     assert [r.hparams["delta"] for r in runs[1:]] == [0.03, 0.1]
     lr = plan_runs(["clip"], [0], tmp_path, sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
@@ -210,11 +209,9 @@ def test_variants_of_one_objective_are_groups_of_their_own(tmp_path):
     (lambda p: plan_runs(["clip[epsilon=0.3]"], [0], p, sweep=parse_sweep("epsilon=0.1,0.2")), "sets epsilon itself"),
     (lambda p: resolve_reference("sapo", [("clip", "clip", "clip")]), "'sapo' is not a compared group; groups: clip"),
     (lambda p: parse_objectives("clip,nope"), "unknown objective 'nope'"),
-    (lambda p: plan_runs(["atr"], [0], p, hparams={"atr": {"delta": -1}}), "delta=-1 is invalid"),
-    (lambda p: plan_runs(["clip"], [0], p, hparams={"clip": {"delta": 0.1}}), "unknown hyper-parameter"),
+    (lambda p: plan_runs(["atr[delta=-1]"], [0], p), "delta=-1 is invalid"),
     (lambda p: plan_runs(["clip"], [0], p, overrides=["seed=3"]), "set by compare itself"),
     (lambda p: plan_runs(["clip"], [0], p, overrides=["rl.max_steps=0"]), "rl.max_steps=0 is invalid"),
-    (lambda p: parse_hparams(["sapo.tau_pos=2"], ["clip"]), "not compared"),
     (lambda p: parse_sweep("delta"), "expected KEY=V1,V2"),
     (lambda p: parse_sweep("delta=0.1,0.1"), "repeated"),
     (lambda p: parse_seeds(0), ">= 1"),
@@ -240,21 +237,6 @@ def test_issue27_item14_a_setting_compare_sets_itself_is_not_sweepable(tmp_path,
         call(tmp_path)
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda p: plan_runs(["clip[epsilon=0.3]"], [0], p, hparams=parse_hparams(["clip.epsilon=0.4"], ["clip"])),
-     "--hparam clip.epsilon=0.4 and the variant 'clip[epsilon=0.3]' both set epsilon"),
-    (lambda p: plan_runs(["clip", "clip[epsilon=0.3]"], [0], p,
-                         hparams=parse_hparams(["clip.epsilon=0.4"], ["clip", "clip[epsilon=0.3]"])),
-     "both set epsilon"),
-    (lambda p: plan_runs(["atr"], [0], p, hparams=parse_hparams(["atr.delta=0.2"], ["atr"]),
-                         sweep=parse_sweep("delta=0.1,0.3")), "--hparam atr.delta=0.2 and --sweep delta both set"),
-    (lambda p: parse_hparams(["clip.epsilon=0.3", "clip.epsilon=0.4"], ["clip"]), "clip.epsilon is given twice"),
-])
-def test_issue27_item15_a_hyper_parameter_set_twice_is_refused(tmp_path, call, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        call(tmp_path)
-
-
 def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     code = cli_main(["compare", "--objectives", "clip,bogus", "--output-dir", str(tmp_path)])
     assert code == 2
@@ -270,6 +252,24 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert "clip/seed0" in capsys.readouterr().out
 
 
+def test_a_compare_json_saved_with_the_removed_hparam_option(tmp_path, capsys):
+    """A compare.json of a version that had --hparam is reused when it used none; one that used it is refused up
+    front, with its bracket form."""
+    old = {"objectives": ["atr"], "seeds": [0], "hparams": [], "share_sft": True}
+    write_json_atomic(tmp_path / "old" / "compare.json", {"experiment": old, **old})
+    assert cli_main(["compare", "--output-dir", str(tmp_path / "old"), "--dry-run"]) == 0
+    assert "atr/seed0" in capsys.readouterr().out
+    assert cli_main(["compare", "--output-dir", str(tmp_path / "old"), "--report-only"]) == 1  # nothing finished yet
+    assert "no finished runs yet" in capsys.readouterr().out
+    used = {**old, "hparams": ["atr.delta=0.1"]}
+    write_json_atomic(tmp_path / "used" / "compare.json", {"experiment": used, **used})
+    for flags in ([], ["--report-only"], ["--dry-run"]):
+        assert cli_main(["compare", "--output-dir", str(tmp_path / "used"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "--hparam atr.delta=0.1, an option that was removed" in err and '--objectives "atr[delta=0.1]"' in err
+    assert not (tmp_path / "used" / "runs").exists()
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--run-timeout", "-5"], "--run-timeout -5.0 is invalid: give a number of seconds > 0"),
     (["--run-timeout", "0"], "--run-timeout 0.0 is invalid"),
@@ -277,7 +277,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     (["--progress-every", "0"], "--progress-every 0.0 is invalid"),
     (["--sweep", "rl.objective=clip,kl3"], "rl.objective is not a sweepable setting; list the objectives with "
                                            "--objectives"),
-    (["--objectives", "clip[epsilon=0.3]", "--hparam", "clip.epsilon=0.4"], "both set epsilon"),
+    (["--objectives", "clip[epsilon=0.3]", "--sweep", "epsilon=0.1,0.2"], "sets epsilon itself"),
 ])
 def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_path, capsys, args, message):
     objectives = [] if "--objectives" in args else ["--objectives", "clip"]
@@ -636,11 +636,10 @@ def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
         return plan_runs(objectives, [0], tmp_path, share_sft=False, **kwargs)[0]
 
     plain = one(["atr"])
-    changed = one(["atr"], hparams=parse_hparams(["atr.delta=0.2"], ["atr"]))
+    changed = one(["atr[delta=0.2]"])
     assert changed.run_dir != plain.run_dir and changed.run_dir.parent.name == "kl3_delta=0.2"
     assert plain.run_dir.parent.name == "kl3"  # the registered name: atr and kl3 are one objective
     same = [one(["atr[delta=0.1]"]), one(["atr[delta=1e-1]"]), one(["kl3[delta=0.1]"]),
-            one(["atr"], hparams=parse_hparams(["atr.delta=0.1"], ["atr"])),
             next(r for r in plan_runs(["atr"], [0], tmp_path, share_sft=False, sweep=parse_sweep("delta=0.1,0.3"))
                  if r.sweep_value == 0.1)]
     assert {r.run_dir for r in same} == {tmp_path / "runs" / "kl3_delta=0.1" / "seed0"}
@@ -654,11 +653,10 @@ def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
 
 
 def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(fake_env):
-    """A group changed by --hparam does not land in (or, with --redo-changed, delete) another compare's plain run;
-    the same settings written three ways are made once."""
+    """A group changed by its brackets does not land in (or, with --redo-changed, delete) another compare's plain
+    run; the same settings written three ways are made once."""
     pool = fake_env.parent / "pool"
-    changed = fake_settings(fake_env / "changed", objectives=("atr",), seeds=(0,), runs_dir=str(pool),
-                            hparams=["atr.delta=0.2"])
+    changed = fake_settings(fake_env / "changed", objectives=("atr[delta=0.2]",), seeds=(0,), runs_dir=str(pool))
     assert run_compare(changed, say=lambda s: None) == 0
     made = pool / "runs" / "kl3_delta=0.2" / "seed0" / "run_complete.json"
     mtime = made.stat().st_mtime_ns

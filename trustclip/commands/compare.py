@@ -8,8 +8,7 @@ Examples::
         --config recipes/qwen3_1.7b_atr.yaml --set rl.max_steps=500 --output-dir outputs/sweep
     trustclip compare --objectives "clip,clip[epsilon=0.329],clip_higher[epsilon_low=0.2,epsilon_high=0.28]" \\
         --seeds 5 --reference clip --output-dir outputs/variants   # one objective at several settings
-    trustclip compare --output-dir outputs/compare --report-only   # rebuild the report from finished runs
-    trustclip compare --output-dir outputs/compare --report-only --reference atr   # against another group
+    trustclip compare --output-dir outputs/compare --report-only --reference atr   # rebuild the report, against atr
     trustclip compare --objectives clip,atr --runs-dir outputs/pool --output-dir outputs/pool/first
     trustclip compare --objectives clip,dcpo --runs-dir outputs/pool --output-dir outputs/pool/second  # clip reused
 
@@ -22,109 +21,87 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trustclip.compare import CompareSettings
+from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved, run_compare
+from trustclip.compare.plan import parse_objectives, parse_seeds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from trustclip.compare import DEFAULT_SEEDS
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = __doc__.split("Examples::", 1)[1]
     what = parser.add_argument_group("what to run")
-    what.add_argument("--objectives", default=None,
-                      help="comma-separated objectives (names or aliases, see `trustclip objectives`); an objective "
-                           "may appear again as a variant with its own hyper-parameters, NAME[KEY=VALUE,...], e.g. "
-                           "clip,clip[epsilon=0.329] (quote it for the shell); "
-                           "default: the ones of the previous compare in --output-dir")
-    what.add_argument("--seeds", type=int, default=None,
-                      help=f"number of training seeds, 0..N-1 (default {DEFAULT_SEEDS}; a paired interval is finite "
-                           "from 4 seeds, 5 or more to resolve anything but large differences)")
-    what.add_argument("--seed-list", default=None, metavar="S1,S2,...", help="explicit seeds instead of --seeds")
-    what.add_argument("--config", default=None, metavar="RECIPE.yaml", help="training recipe shared by all runs "
-                      "(default: the embedded CPU setting of `trustclip train`)")
-    what.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    what.add_argument("--objectives", help="comma-separated objectives (names or aliases, see `trustclip objectives`); "
+                      "an objective may appear again as a variant with its own hyper-parameters, NAME[KEY=VALUE,...], "
+                      "e.g. clip,clip[epsilon=0.329] (quote it for the shell); default: the previous compare's")
+    what.add_argument("--seeds", type=int, help=f"number of training seeds, 0..N-1 (default {DEFAULT_SEEDS}; a paired "
+                      "interval is finite from 4 seeds, 5 or more to resolve anything but large differences)")
+    what.add_argument("--seed-list", metavar="S1,S2,...", help="explicit seeds instead of --seeds")
+    what.add_argument("--config", metavar="RECIPE.yaml", help="training recipe shared by all runs (default: the "
+                      "embedded CPU setting of `trustclip train`)")
+    what.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                       help="override a recipe option for every run, e.g. rl.max_steps=100 (repeatable)")
-    what.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
-                      help="sweep an objective hyper-parameter (applied to the objectives that have it; "
-                           "the others run once as references) or a dotted training option (all runs)")
-    what.add_argument("--no-share-sft", action="store_true",
+    what.add_argument("--sweep", metavar="KEY=V1,V2,...", help="sweep an objective hyper-parameter (applied to the "
+                      "objectives that have it; the others run once) or a dotted training option (all runs)")
+    what.add_argument("--no-share-sft", dest="share_sft", action="store_false", default=None,
                       help="let every run do its own SFT (default: one SFT run per seed, shared by all objectives)")
-    what.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
-                      help="held-out evaluation every STEPS RL steps, for the accuracy-vs-step figure and 'best' "
-                           "(default: the recipe's rl.eval_every, or max_steps // 5 if that is 0; 0 = off)")
-    what.add_argument("--hparam", action="append", default=[], metavar="OBJECTIVE.KEY=VALUE",
-                      help="hyper-parameter of one objective, e.g. clip_higher.epsilon_high=0.28 (repeatable)")
+    what.add_argument("--eval-every", type=int, metavar="STEPS", help="held-out evaluation every STEPS RL steps, for "
+                      "the accuracy-vs-step figure and 'best' (default: the recipe's rl.eval_every, or max_steps // 5 "
+                      "if that is 0; 0 = off)")
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
-    where.add_argument("--runs-dir", type=Path, default=None, metavar="POOL",
-                       help="keep the runs in POOL/runs instead, a pool that several compares share: a run with the "
-                            "same settings (objective, hyper-parameters, seed, recipe) is made once and reported by "
-                            "each, and all start RL from one SFT model per seed")
-    where.add_argument("--jobs", type=int, default=None, help="parallel runs (default min(2, cores))")
-    where.add_argument("--threads-per-job", type=int, default=None, help="torch threads per run "
-                       "(default cores // jobs)")
-    where.add_argument("--restart-partial", action="store_true",
-                       help="restart unfinished runs from scratch (default: continue them with the trainer's "
-                            "resume: finished stages kept, RL from its last checkpoint)")
+    where.add_argument("--runs-dir", type=Path, metavar="POOL", help="keep the runs in POOL/runs instead, a pool that "
+                       "several compares share: a run with the same settings is made once and reported by each, and "
+                       "all start RL from one SFT model per seed")
+    where.add_argument("--jobs", type=int, help="parallel runs (default min(2, cores))")
+    where.add_argument("--threads-per-job", type=int, help="torch threads per run (default cores // jobs)")
+    where.add_argument("--restart-partial", action="store_true", help="restart unfinished runs from scratch (default: "
+                       "continue them with the trainer's resume: finished stages kept, RL from its last checkpoint)")
     where.add_argument("--redo-changed", action="store_true",
                        help="delete and redo runs whose directory was made with different settings")
-    where.add_argument("--run-timeout", type=float, default=None, metavar="SECONDS",
+    where.add_argument("--run-timeout", type=float, metavar="SECONDS",
                        help="stop (and count as failed) a run that takes longer than this")
     where.add_argument("--dry-run", action="store_true", help="print the plan (runs, status) and exit")
     where.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs only")
     where.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
                        help="status line interval (default 30 s)")
-    where.add_argument("--pipeline", default=None, metavar="MODULE:FUNCTION",
+    where.add_argument("--pipeline", metavar="MODULE:FUNCTION",
                        help="training callable instead of trustclip.train.pipeline:run_pipeline (same contract)")
     rep = parser.add_argument_group("report")
-    rep.add_argument("--smooth", type=int, default=None, metavar="STEPS",
+    rep.add_argument("--smooth", type=int, metavar="STEPS",
                      help="moving-average window of the training curves (default: a tenth of the run)")
-    rep.add_argument("--reference", default=None, metavar="GROUP",
-                     help="group the paired per-seed comparisons are against: a group name, an item of "
-                          "--objectives or an objective name (default: clip when compared, else the first group; "
-                          "a report setting: finished runs are kept, --report-only --reference X rebuilds)")
+    rep.add_argument("--reference", metavar="GROUP", help="group the paired per-seed comparisons are against: a "
+                     "group name, an item of --objectives or an objective name (default: clip when compared, else the "
+                     "first group; a report setting: --report-only --reference X rebuilds)")
 
 
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     """The settings of parsed arguments (checked as CompareSettings checks them); without --objectives, the experiment
     saved in --output-dir is reused, with its last reference unless --reference is given."""
-    from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved
-    from trustclip.compare.plan import parse_objectives, parse_seeds
-
     out, reference = Path(args.output_dir), args.reference
+    given = {"--seeds": args.seeds, "--seed-list": args.seed_list, "--config": args.config, "--set": args.overrides,
+             "--sweep": args.sweep, "--no-share-sft": args.share_sft, "--eval-every": args.eval_every,
+             "--runs-dir": args.runs_dir}  # None when not given (given as 0 is given)
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
-        given = [flag for flag, value in (("--seeds", args.seeds), ("--seed-list", args.seed_list),
-                                          ("--config", args.config), ("--set", args.overrides),
-                                          ("--sweep", args.sweep), ("--hparam", args.hparam),
-                                          ("--no-share-sft", args.no_share_sft), ("--eval-every", args.eval_every),
-                                          ("--runs-dir", args.runs_dir))
-                 if value is not None and value is not False and value != []]  # given, even as 0
-        if given:
-            raise ValueError(f"{', '.join(given)} change(s) the experiment: give --objectives too "
+        if flags := [flag for flag, value in given.items() if value is not None]:
+            raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
         experiment = {k: saved[k] for k in EXPERIMENT_KEYS if k in saved}
         reference = saved.get("reference") if reference is None else reference
     else:
         experiment = {"objectives": parse_objectives(args.objectives),
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
-                      "config": args.config, "overrides": list(args.overrides), "sweep": args.sweep,
-                      "hparams": list(args.hparam), "share_sft": not args.no_share_sft, "eval_every": args.eval_every,
+                      "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
+                      "share_sft": args.share_sft is None, "eval_every": args.eval_every,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
-    return CompareSettings(output_dir=out, **experiment, jobs=args.jobs, threads_per_job=args.threads_per_job,
-                           resume_partial=not args.restart_partial, redo_changed=args.redo_changed,
-                           run_timeout=args.run_timeout, dry_run=args.dry_run, report_only=args.report_only,
-                           progress_every=args.progress_every, pipeline=args.pipeline, smooth=args.smooth,
-                           reference=reference)
+    as_given = ("jobs", "threads_per_job", "redo_changed", "run_timeout", "dry_run", "report_only", "progress_every",
+                "pipeline", "smooth")
+    return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given},
+                           resume_partial=not args.restart_partial, reference=reference)
 
 
 def run(args: argparse.Namespace) -> int:
-    from trustclip.compare import run_compare
-
     try:
         return run_compare(settings_from_args(args))
     except (ValueError, RuntimeError, FileNotFoundError) as err:

@@ -26,36 +26,44 @@ EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval a
 
 
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
-    """The settings an earlier compare saved in `output_dir` (None when there are none)."""
-    saved = read_json(Path(output_dir) / SETTINGS_FILE)
-    return saved if isinstance(saved, dict) else None
+    """The settings an earlier compare saved in `output_dir` (None when there are none). Those of a version that had
+    `--hparam` are read when they used none; otherwise the error says how to write them now."""
+    saved = read_json(path := Path(output_dir) / SETTINGS_FILE)
+    if not isinstance(saved, dict):
+        return None
+    if hparams := saved.pop("hparams", None):
+        name, _, setting = str(hparams[0]).partition(".")
+        raise ValueError(f"{path} was saved with --hparam {' '.join(map(str, hparams))}, an option that was removed: "
+                         f"give the objectives' hyper-parameters in brackets with --objectives (--hparam {hparams[0]} "
+                         f"is --objectives \"{name}[{setting}]\")")
+    return saved
 
 
-def _experiment(default: Any) -> Any:
-    """A field that defines the runs: part of `CompareSettings.experiment()`, saved in compare.json."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"experiment": True})
-    return field(default=default, metadata={"experiment": True})
+@dataclass(kw_only=True)
+class Experiment:
+    """What defines the runs, saved in compare.json: groups (objectives x sweep values) x seeds x settings."""
+
+    objectives: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    sweep: str | None = None
+    share_sft: bool = True
+    eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
+    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
+    # RL from the same SFT model per seed); None: output_dir
+    runs_dir: str | None = None
 
 
-@dataclass
-class CompareSettings:
+EXPERIMENT_KEYS = tuple(f.name for f in fields(Experiment))  # compare.json
+
+
+@dataclass(kw_only=True)
+class CompareSettings(Experiment):
     """Everything `trustclip compare` needs (`trustclip.commands.compare` builds it from the command line); the numbers
     are checked on creation, before anything is planned or written."""
 
     output_dir: Path
-    # the experiment: what defines the runs
-    objectives: list[str] = _experiment([])
-    seeds: list[int] = _experiment(list(range(DEFAULT_SEEDS)))
-    config: str | None = _experiment(None)
-    overrides: list[str] = _experiment([])
-    sweep: str | None = _experiment(None)
-    hparams: list[str] = _experiment([])
-    share_sft: bool = _experiment(True)
-    eval_every: int | None = _experiment(None)  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
-    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
-    # RL from the same SFT model per seed); None: output_dir
-    runs_dir: str | None = _experiment(None)
     # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
@@ -95,27 +103,17 @@ class CompareSettings:
     def plan(self) -> list[RunSpec]:
         """The runs; a report-only rebuild of the saved experiment plans from its saved base config (the recipe file
         may have changed since; the runs have not)."""
-        labels = planning.parse_objectives(self.objectives)
-        saved = read_saved(self.output_dir)
-        same = self.report_only and saved is not None and saved.get("experiment") == self.experiment()
-        return plan_runs(labels, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
-                         hparams=planning.parse_hparams(self.hparams, labels),
+        saved = read_saved(self.output_dir) if self.report_only else None
+        same = saved is not None and {k: saved.get(k) for k in EXPERIMENT_KEYS} == self.experiment()
+        return plan_runs(self.objectives, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
                          base=(same and saved.get("base_config")) or self.base_config(), share_sft=self.share_sft)
 
     @property
     def runs_root(self) -> Path:
         return Path(self.runs_dir) if self.runs_dir else self.output_dir
 
-    def reference_group(self, runs: list[RunSpec]) -> str:
-        """The reference group among the planned runs (raises ValueError naming the groups)."""
-        groups = [(r.group, r.label, r.objective) for r in runs if r.kind == "rl"]
-        return planning.resolve_reference(self.reference, groups)
 
-
-EXPERIMENT_KEYS = tuple(f.name for f in fields(CompareSettings) if f.metadata.get("experiment"))  # compare.json
-
-
-def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str],
+def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str], reference: str,
                  say: Callable[[str], None]) -> dict[str, Path] | None:
     """Report on the finished runs of the plan (None when none has finished); unreadable runs join `failed`."""
     records, rl = [], [s for s in runs if s.kind == "rl"]
@@ -129,7 +127,7 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
         say("no finished runs yet: no report written")
         return None
     paths = write_report(records, group_runs(records), settings.output_dir, settings=settings.experiment(),
-                         planned=rl, failed=failed, window=settings.smooth, reference=settings.reference_group(runs),
+                         planned=rl, failed=failed, window=settings.smooth, reference=reference,
                          sft_runs=[s for s in runs if s.kind == "sft"])
     say(f"report: {paths['report']} ({len(records)}/{len(rl)} runs; {len(paths) - 4} figures)")
     return paths
@@ -139,10 +137,11 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     """Plan, run what is unfinished, report. Exit code: 0 all runs finished, 1 some failed or missing,
     130 interrupted."""
     runs = settings.plan()
-    reference = settings.reference_group(runs)  # a bad --reference fails before any run starts
-    if settings.pipeline is None:
-        check_runs(runs)  # every run as `trustclip train` checks it, before any starts (also with --dry-run)
     rl = [r for r in runs if r.kind == "rl"]
+    # a bad --reference, or a run `trustclip train` would refuse, fails before any run starts (also with --dry-run)
+    reference = planning.resolve_reference(settings.reference, [(r.group, r.label, r.objective) for r in rl])
+    if settings.pipeline is None:
+        check_runs(runs)
     sft = f" + {len(runs) - len(rl)} shared SFT runs" if len(rl) < len(runs) else ""
     say(f"compare: {len(rl)} runs ({len({r.group for r in rl})} objectives/settings x {len(settings.seeds)} seeds)"
         f"{sft} in {settings.output_dir}")
@@ -159,10 +158,9 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     else:
         if not settings.redo_changed:
             check_changed(runs)  # refuse before touching compare.json
-        experiment = settings.experiment()
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
-            "experiment": experiment, **experiment, "base_config": settings.base_config(),
-            "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            **settings.experiment(), "base_config": settings.base_config(), "reference": settings.reference,
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
                          threads=settings.threads_per_job, resume_partial=settings.resume_partial,
@@ -173,5 +171,5 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         if result.interrupted:
             return 130
         failed = result.failed
-    build_report(settings, runs, failed, say)
+    build_report(settings, runs, failed, reference, say)
     return 0 if all(is_finished(r) for r in runs) else 1

@@ -31,9 +31,8 @@ class Sweep(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One item of `--objectives`: an objective name (or alias) with a variant's own hyper-parameters."""
+    """One item of `--objectives`: an objective with a variant's own hyper-parameters."""
 
-    name: str  # as written (an alias stays an alias: `--hparam atr.delta` applies to `atr`)
     kwargs: dict[str, Any]
     label: str  # the item as written, spaces removed: the group's name
     spec: Any  # the registered objective (trustclip.objectives.registry.ObjectiveSpec)
@@ -103,7 +102,7 @@ def canonical_text(value: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------ parsing
 def parse_entry(item: str) -> Entry:
-    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry('clip_higher', {...}, 'clip_higher[...]', spec)."""
+    """'clip_higher[epsilon_low=0.3, epsilon_high=0.4]' -> Entry({...}, 'clip_higher[epsilon_low=0.3,...]', spec)."""
     from trustclip.objectives.registry import resolve_name  # imports torch: not before a name is resolved
 
     match = re.fullmatch(r"([A-Za-z0-9_-]+)(?:\[(.*)\])?", re.sub(r"\s+", "", item))
@@ -121,7 +120,7 @@ def parse_entry(item: str) -> Entry:
             raise ValueError(f"objective {item!r}: {spec.name} has no hyper-parameter {key!r}; "
                              f"valid: {', '.join(spec.params) or 'none'}")
         kwargs[key] = parse_value(raw)
-    return Entry(name, kwargs, match.group(0), spec)
+    return Entry(kwargs, match.group(0), spec)
 
 
 def parse_objectives(text: str | Sequence[str]) -> list[str]:
@@ -157,11 +156,10 @@ def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) 
     candidates = [g for g, _, _ in groups if g == name]
     with contextlib.suppress(ValueError):  # not an item of --objectives: no other match
         entry = parse_entry(name)
-        candidates = candidates or [g for g, label, _ in groups if label == entry.label]
-        if not candidates and not entry.kwargs:  # an objective name: its one group without brackets, else its groups
-            same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
-            plain = [g for g, label in same if "[" not in label]
-            candidates = plain if len(plain) == 1 else [g for g, _ in same]
+        same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
+        plain = [g for g, label in same if "[" not in label]  # an objective name: its one such group, else all its
+        candidates = (candidates or [g for g, label in same if label == entry.label]
+                      or ([] if entry.kwargs else plain if len(plain) == 1 else [g for g, _ in same]))
     if len(candidates) == 1:
         return candidates[0]
     if candidates:
@@ -215,24 +213,6 @@ def parse_sweep(text: str | None) -> Sweep | None:
     return Sweep(key, values)
 
 
-def parse_hparams(items: Sequence[str], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """['clip.epsilon=0.3'] -> {'clip': {'epsilon': 0.3}}; the objective must be one of the compared names
-    (`labels`: items of --objectives; a variant's name is the part before its brackets)."""
-    compared = list(dict.fromkeys(parse_entry(label).name for label in labels))
-    out: dict[str, dict[str, Any]] = {}
-    for item in items:
-        target, sep, raw = item.partition("=")
-        label, dot, key = target.strip().partition(".")
-        if not sep or not dot or not label or not key:
-            raise ValueError(f"--hparam {item!r}: expected OBJECTIVE.KEY=VALUE, e.g. clip.epsilon=0.3")
-        if label not in compared:
-            raise ValueError(f"--hparam {item!r}: objective {label!r} is not compared; compared: {', '.join(compared)}")
-        if key in out.get(label, {}):
-            raise ValueError(f"--hparam {item!r}: {label}.{key} is given twice; give it once")
-        out.setdefault(label, {})[key] = parse_value(raw.strip())
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- planning
 def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
     """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict."""
@@ -241,37 +221,27 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
     for text in overrides:
         key = parse_override(text)[0]
         if key in ("seed", "output_dir", "resume", "rl.objective", "rl.objective_kwargs"):
-            raise ValueError(f"--set {text!r}: {key} is set by compare itself (use --objectives/--seeds/--hparam)")
+            raise ValueError(f"--set {text!r}: {key} is set by compare itself (use --objectives/--seeds)")
     return load_config(recipe, list(overrides)).to_dict()
 
 
-def _objective_kwargs(entry: Entry, given: dict[str, Any], swept: dict[str, Any]) -> dict[str, Any]:
-    """The one place that sets each hyper-parameter of a group: the variant's brackets, `--hparam` (`given`) or
-    `--sweep` (`swept`). A key set in two would leave one value silently unused: an error naming both."""
-    for key in sorted(given.keys() & entry.kwargs.keys()):
-        raise ValueError(f"--hparam {entry.name}.{key}={given[key]!r} and the variant {entry.label!r} both set {key}; "
-                         f"give it once (in the brackets, or with --hparam for every group of {entry.name})")
-    for key in entry.kwargs.keys() & swept.keys():
-        raise ValueError(f"--sweep {key}: the variant {entry.label!r} sets {key} itself; sweep it or set it, not both")
-    for key in given.keys() & swept.keys():
-        raise ValueError(f"--hparam {entry.name}.{key}={given[key]!r} and --sweep {key} both set {key}; sweep it or "
-                         "set it, not both")
-    return given | entry.kwargs | swept
-
-
-def _make_run(entry: Entry, seed: int, base: dict[str, Any], given: dict[str, Any], sweep: Sweep | None,
-              value: Any, root: Path) -> RunSpec:
+def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
     """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
     from trustclip.objectives import get_objective
     from trustclip.objectives.registry import resolve_name
     from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted
 
     option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
-    kwargs = _objective_kwargs(entry, given, {sweep.key: value} if sweep is not None and not option else {})
+    kwargs = dict(entry.kwargs)
+    if sweep is not None and not option:
+        if sweep.key in kwargs:  # one of the two values would be silently unused
+            raise ValueError(f"--sweep {sweep.key}: the variant {entry.label!r} sets {sweep.key} itself; sweep it or "
+                             "set it, not both")
+        kwargs[sweep.key] = value
     ours = base["rl"].get("objective") and resolve_name(base["rl"]["objective"]).name == entry.spec.name
     recipe = dict(base["rl"].get("objective_kwargs") or {}) if ours else {}  # the recipe's, for its own objective
     try:
-        objective = get_objective(entry.name, **(recipe | kwargs))
+        objective = get_objective(entry.spec.name, **(recipe | kwargs))
     except ValueError as err:
         raise ValueError(f"objective {entry.label!r}: {err}") from None
     # The kwargs the config records are the same however they were written, so that equal settings have one
@@ -306,8 +276,7 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], given: dict[str, An
 
 
 def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *, overrides: Sequence[str] = (),
-              sweep: Sweep | None = None, hparams: dict[str, dict[str, Any]] | None = None,
-              base: dict[str, Any] | None = None, share_sft: bool = True) -> list[RunSpec]:
+              sweep: Sweep | None = None, base: dict[str, Any] | None = None, share_sft: bool = True) -> list[RunSpec]:
     """Every run of the comparison, seed-major (all groups of seed 0 first, so a stopped compare already has
     complete seeds), each validated; with `share_sft`, each seed's SFT run comes first. `base` (a TrainConfig dict)
     replaces the embedded default + `overrides`. Raises ValueError on any bad input."""
@@ -320,9 +289,8 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
         have = "; ".join(f"{e.label}: {', '.join(e.spec.params) or 'none'}" for e in entries)
         raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
-    hparams, base = hparams or {}, base if base is not None else base_config(None, overrides)
-    root = Path(root)
-    runs = [_make_run(entry, seed, base, hparams.get(entry.name, {}), swept, value, root)
+    base, root = base if base is not None else base_config(None, overrides), Path(root)
+    runs = [_make_run(entry, seed, base, swept, value, root)
             for seed in seeds for entry, swept in groups for value in (swept.values if swept else (None,))]
     seen: dict[Path, RunSpec] = {}  # a directory follows from the settings: two groups in one train the same runs
     for spec in runs:

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,8 @@ from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK = "compare_log.jsonl", "worker.log", ".compare.lock"
 COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
-PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"
+PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"  # the compare's pid: a worker started after its death exits too
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL
-POLL = 0.5  # seconds between looks at the running workers
 # The worker runs this module as __main__ from the package the compare itself imported: `python -m` would put the
 # working directory first on sys.path, so a compare started from one checkout could run its workers from another.
 WORKER_START = (f"import runpy, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
@@ -109,17 +109,20 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             progress_every: float = 30.0) -> Execution:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
-    (SFT runs first; an RL run waits for a free slot and for its SFT run to end); starts, finishes and failures go to
-    `log_dir` (default `root`)/compare_log.jsonl. One thread polls the workers, so nothing is shared. Safe to call
-    again after any interruption."""
+    (SFT runs first; an RL run starts once its SFT run has ended); starts, finishes and failures go to
+    `log_dir` (default `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling
+    thread prints progress and takes Ctrl-C. Safe to call again after any interruption."""
     for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
-    out, say, last_status = Execution(), progress, time.time()
-    running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = {}  # run id -> (spec, worker, start, resumed)
+    out, say = Execution(), progress
+    running: dict[str, tuple[subprocess.Popen, float]] = {}  # run id -> (worker, start time)
+    lock, stopping = threading.Lock(), threading.Event()  # `lock`: `out`, `running` and the log, across threads
+    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
 
     def log(event: str, run_id: str, **extra: Any) -> None:
         append_jsonl(Path(log_dir or root) / LOG_FILE, {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": event,
@@ -131,47 +134,46 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         tail = extra.get("tail")
         say(f"! FAILED {spec.run_id}: {reason}" + ("\n    " + tail.replace("\n", "\n    ") if tail else ""))
 
-    def start(spec: RunSpec, lock_fd: int) -> None:
-        resumed = prepare_run_dir(spec, resume_partial, pipeline)
-        cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads), *(["--resume"] if resumed else [])]
-        env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-               **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}
-        with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
-            process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True, pass_fds=(lock_fd,))
-        running[spec.run_id] = (spec, process, time.time(), resumed)
-        log("start", spec.run_id, pid=process.pid, resumed=resumed)
-        say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
-
-    def wait() -> None:
-        """Sleep a poll; record the workers that ended, stop (as failed) those past the time limit; every
-        `progress_every` seconds, a status line."""
-        nonlocal last_status
-        time.sleep(POLL)
-        for run_id, (spec, process, started, resumed) in list(running.items()):
-            seconds, reason = time.time() - started, ""
-            if process.poll() is None:
-                if run_timeout is None or seconds < run_timeout:
-                    continue
-                _kill([process])
-                reason = f"timed out after {seconds:.0f} s (--run-timeout)"
-            del running[run_id]
+    def run(spec: RunSpec, sft: Future | None, lock_fd: int) -> None:
+        """One run in a worker process, once its SFT run (if it has one) has ended, until it ends or is stopped."""
+        wait([sft] if sft else [])
+        with lock:
+            if stopping.is_set():
+                return
+            if spec.depends_on is not None and not is_finished(spec.depends_on):
+                return fail(spec, f"its SFT run {spec.depends_on.run_id} failed")
+            resumed = prepare_run_dir(spec, resume_partial, pipeline)
+            cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads),
+                   *(["--resume"] if resumed else [])]
+            with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
+                process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True, pass_fds=(lock_fd,))
+            running[spec.run_id] = (process, started := time.time())
+            log("start", spec.run_id, pid=process.pid, resumed=resumed)
+            say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
+        try:
+            process.wait(timeout=run_timeout)
+            reason = f"worker exited with code {process.returncode}"
+        except subprocess.TimeoutExpired:
+            _kill([process])
+            reason = f"timed out after {time.time() - started:.0f} s (--run-timeout)"
+        seconds = time.time() - started
+        with lock:
+            del running[spec.run_id]
             if process.returncode == 0 and is_finished(spec):
-                out.finished.append(run_id)
-                log("finish", run_id, seconds=seconds)
-                say(f"< done  {run_id} in {_clock(seconds)} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
-                continue
-            path = spec.run_dir / WORKER_LOG
-            lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines() if path.is_file() else []
-            fail(spec, f"{reason or f'worker exited with code {process.returncode}'}; log: {path}"
-                 + (f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""),
-                 seconds=seconds, returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
-        if running and time.time() - last_status >= progress_every:
-            last_status = time.time()
-            say(f"  {len(out.finished) + len(out.skipped)}/{len(runs)} done, {len(out.failed)} failed; running: "
-                + ", ".join(f"{run_id} ({_clock(last_status - t)})" for run_id, (_, _, t, _) in running.items()))
+                out.finished.append(spec.run_id)
+                log("finish", spec.run_id, seconds=seconds)
+                say(f"< done  {spec.run_id} in {_clock(seconds)} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
+            elif stopping.is_set():
+                log("interrupted", spec.run_id, seconds=seconds)
+            else:
+                path = spec.run_dir / WORKER_LOG
+                lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
+                fail(spec, f"{reason}; log: {path}" + (f"; rerun to resume it, or delete {spec.run_dir} to start this "
+                                                       "run afresh" if resumed else ""),
+                     seconds=seconds, returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
 
-    with acquire_compare_lock(Path(root)) as lock:
+    with acquire_compare_lock(Path(root)) as pool_lock, ThreadPoolExecutor(jobs, "compare-run") as pool:
         check_changed(runs, redo_changed)
         out.skipped = [spec.run_id for spec in runs if is_finished(spec)]
         todo = [spec for spec in runs if spec.run_id not in out.skipped]
@@ -183,23 +185,29 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         with contextlib.suppress(ValueError):  # not the main thread: no handlers
             handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):
-                dep = spec.depends_on
-                while len(running) >= jobs or (dep is not None and dep.run_id in running):
-                    wait()
-                if dep is not None and not is_finished(dep):
-                    fail(spec, f"its SFT run {dep.run_id} failed")
-                else:
-                    start(spec, lock.fileno())
-            while running:
-                wait()
+            futures: dict[str, Future] = {}
+            for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):  # FIFO: an SFT run starts before its RL
+                sft = futures.get(spec.depends_on.run_id) if spec.depends_on else None
+                futures[spec.run_id] = pool.submit(run, spec, sft, pool_lock.fileno())
+            pending = set(futures.values())
+            while pending:
+                done, pending = wait(pending, timeout=progress_every, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    future.result()  # an error in a pool thread stops the compare
+                with lock:
+                    if running:
+                        now = time.time()
+                        say(f"  {len(out.finished) + len(out.skipped)}/{len(runs)} done, {len(out.failed)} failed; "
+                            "running: " + ", ".join(f"{r} ({_clock(now - t)})" for r, (_, t) in running.items()))
         except KeyboardInterrupt:
             out.interrupted = True
             say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
-            _kill([process for _, process, _, _ in running.values()])
-            for run_id, (_, _, started, _) in running.items():
-                log("interrupted", run_id, seconds=time.time() - started)
         finally:
+            stopping.set()  # no run starts now; those running are stopped, their threads log them as interrupted
+            with lock:
+                processes = [process for process, _ in running.values()]
+            _kill(processes)
+            pool.shutdown(cancel_futures=True)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     return out
@@ -248,10 +256,7 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False) -> i
     """Run one spec to completion; returns a process exit code (0 = finished and marked complete). Torch's threads
     follow OMP_NUM_THREADS, which the compare sets."""
     run_dir = Path(run_dir)
-    spec = read_json(run_dir / SPEC_FILE)
-    if not isinstance(spec, dict) or "config" not in spec:
-        print(f"worker: {run_dir / SPEC_FILE} is missing or unreadable", file=sys.stderr)
-        return 2
+    spec = read_json(run_dir / SPEC_FILE)  # the compare wrote it just before it started this worker
     module, _, name = spec.get("pipeline", "trustclip.train.pipeline:run_pipeline").partition(":")
     start = time.time()
     print(f"worker: run {spec['run_id']} ({spec['fingerprint']}), {threads} thread(s), resume={resume}", flush=True)
@@ -265,21 +270,17 @@ def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False) -> i
     return 0
 
 
-def _watch_parent(parent: int) -> None:
-    """Once the compare that started this worker is gone, exit hard with the process group (the run's own
-    subprocesses): a killed compare leaves no orphan writing its run."""
-
-    def loop() -> None:
-        while os.getppid() == parent:
-            time.sleep(2.0)
-        with contextlib.suppress(OSError):
-            os.killpg(os.getpid(), signal.SIGKILL)  # the worker leads its group (start_new_session)
-        os._exit(75)
-
-    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
+def _exit_with_parent(parent: int) -> None:
+    """(A worker's daemon thread) once the compare that started the worker is gone, kill its process group (the run's
+    own subprocesses too) and exit: a killed compare leaves no orphan writing its run."""
+    while os.getppid() == parent:
+        time.sleep(2.0)
+    with contextlib.suppress(OSError):
+        os.killpg(os.getpid(), signal.SIGKILL)  # the worker leads its group (start_new_session)
+    os._exit(75)
 
 
 if __name__ == "__main__":  # a worker started by the compare: RUN_DIR THREADS [--resume]
     if (parent := os.environ.get(PARENT_ENV, "")).isdigit():
-        _watch_parent(int(parent))
+        threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True, name="parent-watch").start()
     sys.exit(run_worker(sys.argv[1], max(1, int(sys.argv[2])), "--resume" in sys.argv[3:]))
