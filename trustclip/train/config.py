@@ -376,7 +376,7 @@ def yaml_load(text: str) -> Any:
 
 
 def parse_value(raw: str) -> Any:
-    """A value as a command line writes it (`--set`, `--sweep`, `--hparam`), read as YAML: numbers (`1e-5` too),
+    """A value as a command line writes it (`--set`, `--sweep`), read as YAML: numbers (`1e-5` too),
     true/false, null, [a, b], {k: v}; nothing is ""."""
     try:
         return yaml_load(raw) if raw.strip() else ""
