@@ -1,19 +1,17 @@
 """Load prompt rows `{"id", "problem", "answer", ...}` from local files, the hub, or the synthetic task.
 
-Sources understood by `load_prompts`:
-- a local `.jsonl` / `.ndjson`, `.json` (an array of objects, `{"data": [...]}`, or JSON Lines) or
-  `.parquet` file;
-- `builtin:<split>`: a split of the synthetic task (`builtin:train`, `builtin:amc_like`, ...);
-- anything else is a Hugging Face hub dataset id, loaded with `datasets.load_dataset` (needs internet).
+A source is a local `.jsonl` / `.ndjson`, `.json` (an array of objects, `{"data": [...]}`, or JSON Lines) or `.parquet`
+file; `builtin:<split>`, a split of the synthetic task (`builtin:train`, `builtin:amc_like`, ...); anything else is a
+Hugging Face hub dataset id, loaded with `datasets.load_dataset` (needs internet).
 
-Field names are configurable (`problem_key`, `answer_key`, `id_key`). The verl/DAPO-Math-17k hub layout
-(`prompt` = list of chat messages, `reward_model.ground_truth`, `extra_info.index`) is recognised when
-the problem field is absent; DAPO's own "Answer:" instruction wrapper is stripped from the problem, since
-our templates add the `\\boxed{}` instruction. The GSM8K layout (`answer` = worked solution, then `#### N`; the
-problem in `question` when the problem field is absent, as in the hub's openai/gsm8k) is recognised too: the answer
-becomes N and, unless the record has one, `solution` the worked solution (calculator annotations `<<...>>` removed)
-ending in `\\boxed{N}`: an SFT target in the format the reward requires. Every record is validated while loading,
-so a malformed file fails with `DataFormatError` naming the file and line before any training starts.
+Field names are configurable (`problem_key`, `answer_key`, `id_key`). Two hub layouts are recognised too:
+- verl/DAPO-Math-17k (`prompt` = chat messages, `reward_model.ground_truth`, `extra_info.index`) when the problem
+  field is absent; DAPO's own "Answer:" instruction wrapper is stripped, since our templates ask for `\\boxed{}`;
+- GSM8K (`answer` = worked solution, then `#### N`; the problem in `question` when the problem field is absent, as in
+  openai/gsm8k): the answer becomes N and, unless the record has one, `solution` the worked solution (calculator
+  annotations `<<...>>` removed) ending in `\\boxed{N}`: an SFT target in the format the reward requires.
+Every record is validated while loading, so a malformed file fails with `DataFormatError` naming the file and line
+before any training starts.
 
 Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
 `math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2; `parse_benchmark_spec`, `select_rows`).
@@ -27,6 +25,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +76,6 @@ class BenchmarkSpec:
     name: str
     source: str
     filters: tuple[tuple[str, tuple[Any, ...]], ...] = ()
-
-    @property
-    def query(self) -> str:
-        return "&".join(f"{key}={','.join(json.dumps(v) for v in values)}" for key, values in self.filters)
 
 
 def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
@@ -148,7 +143,8 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
     combination that keeps no row is a ValueError naming it."""
     if not bench.filters:
         return rows
-    spec = f"{bench.name}={bench.source}?{bench.query}"
+    query = "&".join(f"{key}={','.join(json.dumps(v) for v in values)}" for key, values in bench.filters)
+    spec = f"{bench.name}={bench.source}?{query}"
     kept = rows
     for key, values in bench.filters:
         if not any(key in r for r in rows):
@@ -231,10 +227,9 @@ def _bad_json(path: Path, err: ValueError, line: int | None = None) -> DataForma
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     text = _decode(path.read_bytes(), path)
-    stripped = text.lstrip()
-    if not stripped:
+    if not text.strip():
         return
-    if stripped.startswith("["):
+    if text.lstrip().startswith("["):
         yield from _iter_json_array(path, text)
         return
     try:
@@ -304,7 +299,8 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     problem_key, answer_key, id_key = keys
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    dapo = problem_key not in record and _is_dapo(record)
+    dapo = problem_key not in record and isinstance(record.get("prompt"), list) \
+        and isinstance(record.get("reward_model"), dict)
     problem = _dapo_problem(record["prompt"]) if dapo else record.get(problem_key)
     answer = record["reward_model"].get("ground_truth") if dapo and answer_key not in record else record.get(answer_key)
     gsm8k = GSM8K_ANSWER.search(answer) if isinstance(answer, str) else None
@@ -336,24 +332,16 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
     if isinstance(answer, float):
         if not math.isfinite(answer):
             raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
-        return str(int(answer)) if answer.is_integer() else _decimal_text(answer)  # AMC sources store 142.0
+        if answer.is_integer():  # AMC sources store 142.0
+            return str(int(answer))
+        # Python's shortest repr in positional notation (1e-05 -> '0.00001'): math-verify reads '1e-05' as text, so a
+        # correct \boxed{0.00001} would score 0.
+        return format(Decimal(repr(answer)), "f")
     if isinstance(answer, int):  # never too long for str(): JSON and Arrow refuse such integers when reading
         return str(answer)
     if isinstance(answer, str) and answer.strip():
         return answer.strip()
     raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")
-
-
-def _decimal_text(value: float) -> str:
-    """A float as the decimal people write: 1e-05 -> '0.00001', 2.5e-07 -> '0.00000025' (Python's shortest repr, in
-    positional notation). math-verify reads '1e-05' as text, so a correct \\boxed{0.00001} would score 0."""
-    from decimal import Decimal
-
-    return format(Decimal(repr(value)), "f")
-
-
-def _is_dapo(record: dict) -> bool:
-    return isinstance(record.get("prompt"), list) and isinstance(record.get("reward_model"), dict)
 
 
 def _dapo_problem(messages: list) -> str | None:

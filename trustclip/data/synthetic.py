@@ -99,8 +99,7 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
     }
 
 
-def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str],
-                max_misses: int = 1000) -> list[dict]:
+def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str]) -> list[dict]:
     # A string seed gives an independent, reproducible stream per split (hash-seed independent).
     rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
     rows: list[dict] = []
@@ -111,17 +110,15 @@ def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed
         row = make_problem(level, rng)
         if row["problem"] in seen:
             misses += 1
-            if misses == max_misses:  # ... until a level runs out of new problems: the others fill in
+            if misses == 1000:  # ... until a level runs out of new problems: the others fill in
                 active, misses = [lv for lv in active if lv != level], 0
             continue
         misses = 0
         seen.add(row["problem"])
         rows.append({"id": f"{name}-{len(rows)}", **row})
     if len(rows) < n:
-        raise ValueError(
-            f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
-            f"{tuple(levels)}); lower n or add harder levels"
-        )
+        raise ValueError(f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
+                         f"{tuple(levels)}); lower n or add harder levels")
     exclude |= seen
     return rows
 
@@ -134,14 +131,10 @@ def _check_levels(split: str, levels: Sequence[int | ArithmeticLevel]) -> None:
             raise ValueError(f"split {split!r}: unknown level {lv!r}; known levels: {sorted(LEVELS)}")
 
 
-def make_synthetic_splits(
-    seed: int = 0,
-    n_train: int = 2000,
-    n_eval: int = 64,
-    *,
-    train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
-    eval_splits: dict[str, Sequence[int | ArithmeticLevel]] | None = None,
-) -> dict[str, list[dict]]:
+def make_synthetic_splits(seed: int = 0, n_train: int = 2000, n_eval: int = 64, *,
+                          train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
+                          eval_splits: dict[str, Sequence[int | ArithmeticLevel]] | None = None,
+                          ) -> dict[str, list[dict]]:
     """Train split plus held-out splits of increasing difficulty, deterministic from `seed`.
 
     Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever
