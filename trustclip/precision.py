@@ -55,16 +55,13 @@ def bf16_problem(device_type: str | None = None) -> str | None:
     return f"bfloat16 autocast is not set up for device type {device_type!r}"
 
 
-def resolve_bf16(setting: bool | None, device_type: str | None = None) -> bool:
+def resolve_bf16(setting: bool | None) -> bool:
     """The mixed-precision flag a run uses: `setting` itself (True checked against the machine), or for None the
     default: on where it pays without a measurement (a bfloat16 GPU), off on CPU."""
-    device_type = device_type or _default_device_type()
     if setting is None:
-        return device_type == "cuda" and bf16_problem("cuda") is None
-    if setting:
-        problem = bf16_problem(device_type)
-        if problem:
-            raise ValueError(f"bf16=true cannot be honoured here: {problem}; set bf16: false (--set bf16=false)")
+        return _default_device_type() == "cuda" and bf16_problem("cuda") is None
+    if setting and (problem := bf16_problem()):
+        raise ValueError(f"bf16=true cannot be honoured here: {problem}; set bf16: false (--set bf16=false)")
     return setting
 
 
