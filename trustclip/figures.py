@@ -103,12 +103,6 @@ def _fmt(x: float) -> str:
     return f"{x:.3f}" if math.isfinite(x) else "$\\infty$"
 
 
-def _w_range(regions: dict[str, tuple[float, float]], epsilon: float) -> tuple[float, float]:
-    lows = [lo for lo, _ in regions.values()] + [1 - epsilon]
-    highs = [hi for _, hi in regions.values() if math.isfinite(hi)] + [1 + epsilon]
-    return max(0.8 * min(lows), 0.02), 1.15 * max(highs)
-
-
 def draw_divergence_curve(ax, name: str, delta: float, epsilon: float, region: tuple[float, float],
                           w_range: tuple[float, float]) -> None:
     """D(w) with the line D = delta, the shaded feasible interval [l, u] (artist gid "<name>-region"), its
@@ -203,7 +197,10 @@ def plot_divergence_regions(path: str | Path, delta: float = 0.07, epsilon: floa
     if not 0 < q_range[0] < q_range[1] <= 1:
         raise ValueError(f"q_range must satisfy 0 < q_min < q_max <= 1, got {q_range}")
     regions = divergence_regions(delta, kl1_two_sided)
-    w_range = _w_range(regions, epsilon)
+    # The ratio axis shows every interval's finite ends and the clip range, with a margin.
+    lows = [lo for lo, _ in regions.values()] + [1 - epsilon]
+    highs = [hi for _, hi in regions.values() if math.isfinite(hi)] + [1 + epsilon]
+    w_range = (max(0.8 * min(lows), 0.02), 1.15 * max(highs))
     with figure_context() as plt:
         fig = plt.figure(figsize=(15, 7.5), layout="constrained")
         grid = fig.add_gridspec(2, 4)

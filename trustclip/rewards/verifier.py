@@ -148,8 +148,7 @@ class _Worker:
         return json.loads(line)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self.proc.kill()  # a no-op once the process has exited
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -226,7 +225,7 @@ class MathVerifier:
         if closes != self._closes:  # close() ran while it started (seconds): it must not outlive the pool
             new.kill()
             raise RuntimeError("the math-verify workers were closed during the call")
-        if worker in self._workers:
+        if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
             self._workers.remove(worker)
         self._workers.append(new)
         return new
