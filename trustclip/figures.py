@@ -55,8 +55,7 @@ def figure_context() -> Iterator[Any]:
 def new_figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.6):
     """(fig, axes) with panel size width x height inches, constrained layout and a 2-D axes array;
     call inside `figure_context`."""
-    figsize = (width * ncols, height * nrows)
-    return pyplot().subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
+    return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, layout="constrained")
 
 
 def style_axes(ax, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None) -> None:

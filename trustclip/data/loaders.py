@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
+
+from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, make_synthetic_splits
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 FILE_SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet"}
@@ -82,8 +85,6 @@ def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
     """`NAME=SOURCE`, a bare `SOURCE` (named after the file stem) or `builtin` (every held-out synthetic split), each
     optionally followed by `?FIELD=V1,V2[&FIELD2=...]` to keep some rows. Raises ValueError on a malformed spec;
     loads nothing."""
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
-
     body, _, query = spec.partition("?")
     filters = _parse_filters(spec, query) if query else ()
     if body == "builtin":
@@ -101,8 +102,6 @@ def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
 def _parse_filters(spec: str, query: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
     """`level=1,2&subject=Algebra` -> (("level", (1, 2)), ("subject", ("Algebra",))). A value is read as JSON when it
     is JSON (1, 1.5, true, null, "text"), else taken as text; `%26`, `%2C`, `%3D` write a literal `&`, `,`, `=`."""
-    from urllib.parse import unquote
-
     filters: dict[str, tuple[Any, ...]] = {}
     for part in query.split("&"):
         key, sep, listed = part.partition("=")
@@ -178,8 +177,6 @@ def load_benchmark_specs(specs: Sequence[str], *, limit: int | None = None,
 
 
 def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, make_synthetic_splits
-
     known = ["train", *DEFAULT_EVAL_SPLITS]
     if split not in known:
         raise ValueError(f"unknown builtin split {split!r}; choose from {known}")

@@ -27,8 +27,10 @@ a pure function of the seed. A split takes its levels in turn; a level that runs
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from trustclip.data.templates import format_prompt
 
 PROBLEM_FORMAT = "Compute {expr}."
 
@@ -133,17 +135,12 @@ def _check_levels(split: str, levels: Sequence[int | ArithmeticLevel]) -> None:
 
 def make_synthetic_splits(seed: int = 0, n_train: int = 2000, n_eval: int = 64, *,
                           train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
-                          eval_splits: dict[str, Sequence[int | ArithmeticLevel]] | None = None,
+                          eval_splits: Mapping[str, Sequence[int | ArithmeticLevel]] = DEFAULT_EVAL_SPLITS,
                           ) -> dict[str, list[dict]]:
-    """Train split plus held-out splits of increasing difficulty, deterministic from `seed`.
-
-    Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever
-    trained on. Returns `{"train": rows, "amc_like": rows, "aime24_like": rows, "aime25_like": rows}`
-    by default; each row is `{"id", "problem", "answer", "solution", "level"}`. Levels are keys of
-    `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)` for an easier task).
-    """
+    """`{"train": rows, **{held-out split: rows}}`, deterministic from `seed`; rows as `make_problem`'s, with an `id`.
+    Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever trained on.
+    Levels are keys of `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)`)."""
     _check_levels("train", train_levels)
-    eval_splits = dict(DEFAULT_EVAL_SPLITS if eval_splits is None else eval_splits)
     for name, lvs in eval_splits.items():
         _check_levels(name, lvs)
     taken: set[str] = set()
@@ -159,8 +156,6 @@ def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto",
     the completion is the worked solution. No eos is appended: TRL's SFTTrainer adds it, a hand-written
     loop should append `tokenizer.eos_token` itself.
     """
-    from trustclip.data.templates import format_prompt
-
     out = []
     for i, row in enumerate(rows):
         if "solution" not in row:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -51,9 +53,6 @@ def _latex_arg(s: str) -> str:
 
 def _worker_main() -> None:  # pragma: no cover - runs in the child process
     """Worker loop: one JSON request per stdin line, one JSON reply per line on the original stdout."""
-    import logging
-    import signal
-
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints from sympy & co. must not corrupt the protocol
 
@@ -79,7 +78,7 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
         try:
             req = json.loads(line)
             # Backstop: if the parent died mid-call nobody would kill a hung worker.
-            signal.alarm(int(math.ceil(req.get("timeout", DEFAULT_TIMEOUT))) + 30)
+            signal.alarm(math.ceil(req["timeout"]) + 30)
             # raise_on_error: an exception must reach the parent to be counted, not become a silent False.
             gold = parse(_latex_arg(req["gold"]), parsing_timeout=None, raise_on_error=True)
             pred = parse(_latex_arg(req["pred"]), parsing_timeout=None, raise_on_error=True)
