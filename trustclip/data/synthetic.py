@@ -1,11 +1,7 @@
-"""Built-in synthetic verifiable task: integer arithmetic at several difficulty levels.
-
-It is the offline CPU stand-in for competition math. Rows have the same format as the math benchmarks
-(`{"id", "problem", "answer"}`, answer a string), plus `solution` (a short worked solution ending in
-`\\boxed{N}`, for the SFT-for-format stage) and `level`. One reward and one eval path serve both.
-
-Levels (operands are drawn uniformly from `[lo, hi]`; `*` is always the last step and multiplies by a
-one-digit number):
+"""Built-in synthetic verifiable task: integer arithmetic at four difficulty levels (`LEVELS`), the offline CPU
+stand-in for competition math. Rows have the math benchmarks' format (`{"id", "problem", "answer"}`, answer a string)
+plus `solution` (a short worked solution ending in `\\boxed{N}`, for the SFT-for-format stage) and `level`, so one
+reward and one eval path serve both.
 
 | level | example problem            | worked solution                      |
 |-------|----------------------------|--------------------------------------|
@@ -14,14 +10,10 @@ one-digit number):
 | 3     | `Compute 12+35-7.`         | `12+35=47. 47-7=40. \\boxed{40}`     |
 | 4     | `Compute (12+35)*7.`       | `12+35=47. 47*7=329. \\boxed{329}`   |
 
-Splits from `make_synthetic_splits` (the analogues of the paper's benchmarks, easy to hard):
-
-- `train`: levels 1-4 mixed (configurable), for SFT and RL;
-- `amc_like`: levels 1-2; `aime24_like`: level 3; `aime25_like`: level 4.
-
-Held-out splits are disjoint from `train` and from each other (exact problem text), and everything is
-a pure function of the seed. A split takes its levels in turn; a level that runs out of distinct problems
-(1,000 repeats in a row) drops out and the other levels fill the rest.
+`make_synthetic_splits` gives `train` (levels 1-4 mixed, configurable; for SFT and RL) and the held-out analogues of
+the paper's benchmarks, easy to hard (`DEFAULT_EVAL_SPLITS`). Held-out splits are disjoint from `train` and from each
+other (exact problem text), and everything is a pure function of the seed. A split takes its levels in turn; a level
+that runs out of distinct problems (1,000 repeats in a row) drops out and the other levels fill the rest.
 """
 
 from __future__ import annotations

@@ -3,8 +3,7 @@ sees the same text in all three stages.
 
 Styles:
 - `"math"`: the paper's recipe style (solve, reason step by step, final answer in `\\boxed{}`);
-- `"tiny"`: the bare problem and a newline, for the character-level tiny model trained from scratch
-  (its context is 256 tokens and every character costs CPU time);
+- `"tiny"`: the bare problem and a newline, for the character-level tiny model trained from scratch;
 - `"raw"`: the problem text unchanged;
 - `"auto"`: `"tiny"` for the trustclip tiny tokenizer, `"math"` otherwise;
 - any other string containing `{problem}` is used as a custom template (braces need no escaping).

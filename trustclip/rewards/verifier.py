@@ -281,11 +281,10 @@ def score_completions(completions: Sequence[str], answers: Sequence[str], *, tim
             scores[i] = verdict
         else:
             slow.append((i, gold, pred))
-    if slow:
-        stats.math_verify += len(slow)
-        verdicts = verifier.equal_many([(gold, pred) for _, gold, pred in slow], timeout=timeout)
-        for (i, _, _), verdict in zip(slow, verdicts, strict=True):
-            scores[i] = 1.0 if verdict is True else 0.0
+    stats.math_verify += len(slow)
+    verdicts = verifier.equal_many([(gold, pred) for _, gold, pred in slow], timeout=timeout)  # [] starts no worker
+    for (i, _, _), verdict in zip(slow, verdicts, strict=True):
+        scores[i] = 1.0 if verdict is True else 0.0
     return scores
 
 
