@@ -252,9 +252,8 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     """`AutoTokenizer.from_pretrained` with left padding and a guaranteed pad token."""
     from transformers import AutoTokenizer
 
-    name_or_path = resolve_model_name(name_or_path)
-    kwargs.setdefault("padding_side", "left")  # decoder-only batched generation needs left padding
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    # decoder-only batched generation needs left padding
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(name_or_path), **{"padding_side": "left", **kwargs})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -273,8 +273,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise DataFormatError(f"{path}: cannot read parquet file ({err})") from None
-    for i, rec in enumerate(table.to_pylist()):
-        yield f"{path}: row {i}", rec
+    yield from ((f"{path}: row {i}", rec) for i, rec in enumerate(table.to_pylist()))
 
 
 def _load_hub(name: str, split: str, subset: str | None, keys: tuple[str, str, str]) -> list[dict[str, Any]]:

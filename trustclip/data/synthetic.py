@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 from trustclip.data.templates import format_prompt
 
-PROBLEM_FORMAT = "Compute {expr}."
-
 
 @dataclass(frozen=True)
 class ArithmeticLevel:
@@ -86,7 +84,7 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
         steps.append(f"{acc}{op}{x}={new}.")
         acc = new
     return {
-        "problem": PROBLEM_FORMAT.format(expr=expr),
+        "problem": f"Compute {expr}.",
         "answer": str(acc),
         "solution": " ".join(steps) + f" \\boxed{{{acc}}}",
         "level": spec.number if spec.number is not None else repr(spec),
@@ -148,10 +146,8 @@ def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto",
     the completion is the worked solution. No eos is appended: TRL's SFTTrainer adds it, a hand-written
     loop should append `tokenizer.eos_token` itself.
     """
-    out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows):  # every row is checked before any prompt is built
         if "solution" not in row:
             raise ValueError(f"row {i} (id {row.get('id')!r}) has no 'solution' field")
-        prompt = format_prompt(row["problem"], tokenizer, style=style, system_prompt=system_prompt)
-        out.append({"prompt": prompt, "completion": row["solution"]})
-    return out
+    return [{"prompt": format_prompt(row["problem"], tokenizer, style=style, system_prompt=system_prompt),
+             "completion": row["solution"]} for row in rows]

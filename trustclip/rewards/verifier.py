@@ -218,16 +218,15 @@ class MathVerifier:
     def _replace(self, worker: _Worker | None, closes: int) -> _Worker:
         if worker is not None:
             worker.kill()
-        if closes != self._closes:
-            raise RuntimeError("the math-verify workers were closed during the call")
-        new = _Worker(self.memory_mb, self.startup_timeout)
-        if closes != self._closes:  # close() ran while it started (seconds): it must not outlive the pool
-            new.kill()
-            raise RuntimeError("the math-verify workers were closed during the call")
-        if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
-            self._workers.remove(worker)
-        self._workers.append(new)
-        return new
+        if closes == self._closes:
+            new = _Worker(self.memory_mb, self.startup_timeout)
+            if closes == self._closes:
+                if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
+                    self._workers.remove(worker)
+                self._workers.append(new)
+                return new
+            new.kill()  # close() ran while it started (seconds): it must not outlive the pool
+        raise RuntimeError("the math-verify workers were closed during the call")
 
     def close(self) -> None:
         """Kill the worker processes (new ones start on the next call)."""
