@@ -17,7 +17,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import string
 import tempfile
 from collections.abc import Callable
@@ -124,16 +123,13 @@ def _build_atomically(path: Path, save: Callable[[Path], None]) -> Path:
     if _is_complete_checkpoint(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        save(tmp)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}-", dir=path.parent, ignore_cleanup_errors=True) as tmp:
+        save(Path(tmp))
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race and wrote an equivalent build
             if not _is_complete_checkpoint(path):
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -154,8 +150,7 @@ def locate_gguf(name: str = SMOLLM2_MODEL_NAME) -> Path:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(missing) from None
-    files = [f for f in dist.files or () if f.name == spec.filename]
-    path = Path(dist.locate_file(files[0])) if files else None
+    path = next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == spec.filename), None)
     if path is None or not path.is_file():
         raise FileNotFoundError(f"{missing} (installed version {dist.version} has no {spec.filename})")
     return path

@@ -33,18 +33,12 @@ def cpu_has_bf16() -> bool:
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
-def _default_device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def bf16_problem(device_type: str | None = None) -> str | None:
     """Why `bf16=True` cannot be honoured on this machine's `device_type` (default: cuda if present, else cpu),
     or None when it can."""
     import torch
 
-    device_type = device_type or _default_device_type()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         return None if torch.cuda.is_bf16_supported() else (
             f"the GPU ({torch.cuda.get_device_name()}) has no bfloat16 support")
@@ -58,8 +52,10 @@ def bf16_problem(device_type: str | None = None) -> str | None:
 def resolve_bf16(setting: bool | None) -> bool:
     """The mixed-precision flag a run uses: `setting` itself (True checked against the machine), or for None the
     default: on where it pays without a measurement (a bfloat16 GPU), off on CPU."""
+    import torch
+
     if setting is None:
-        return _default_device_type() == "cuda" and bf16_problem("cuda") is None
+        return torch.cuda.is_available() and bf16_problem("cuda") is None
     if setting and (problem := bf16_problem()):
         raise ValueError(f"bf16=true cannot be honoured here: {problem}; set bf16: false (--set bf16=false)")
     return setting

@@ -113,8 +113,7 @@ def _parse_filters(spec: str, query: str) -> tuple[tuple[str, tuple[Any, ...]], 
         if key in filters:
             raise ValueError(f"bad benchmark spec {spec!r}: field {key!r} is given twice; list its values once "
                              f"({key}=V1,V2)")
-        bad = [v for v in values if isinstance(v, list | dict)]
-        if bad:
+        if bad := [v for v in values if isinstance(v, list | dict)]:
             raise ValueError(f"bad benchmark spec {spec!r}: {key}={json.dumps(bad[0])} is not a single value (a "
                              "number, string, true/false or null)")
         filters[key] = values
@@ -150,8 +149,7 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
             fields = ", ".join(sorted(rows[0])) if rows else "none"
             raise ValueError(f"benchmark spec {spec!r}: no row has a field {key!r} (fields: {fields})")
         present = {json.dumps(r[key]): r[key] for r in rows if key in r}
-        missing = [v for v in values if not any(_matches(key, p, v) for p in present.values())]
-        if missing:
+        if missing := [v for v in values if not any(_matches(key, p, v) for p in present.values())]:
             shown = ", ".join(sorted(present)[:20]) + (", ..." if len(present) > 20 else "")
             raise ValueError(f"benchmark spec {spec!r}: no row has {key} in {json.dumps(missing)} (values of {key}: "
                              f"{shown}); drop the value or fix its spelling (a string that looks like a number is "

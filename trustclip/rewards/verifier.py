@@ -53,11 +53,8 @@ def _latex_arg(s: str) -> str:
 
 def _worker_main() -> None:  # pragma: no cover - runs in the child process
     """Worker loop: one JSON request per stdin line, one JSON reply per line on the original stdout."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # line-buffered: each reply goes out with its newline
     os.dup2(2, 1)  # stray prints from sympy & co. must not corrupt the protocol
-
-    def reply(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
 
     try:
         limit_mb = int(os.environ.get("TRUSTCLIP_VERIFY_MEMORY_MB", "0"))
@@ -71,9 +68,9 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
             logging.getLogger(name).setLevel(logging.CRITICAL)
         verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
     except BaseException as err:  # noqa: BLE001 - report any startup failure to the parent
-        reply({"fatal": f"{type(err).__name__}: {err}"})
+        print(json.dumps({"fatal": f"{type(err).__name__}: {err}"}), file=proto)
         return
-    reply({"ready": True})
+    print(json.dumps({"ready": True}), file=proto)
     for line in sys.stdin:
         try:
             req = json.loads(line)
@@ -84,10 +81,10 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
             pred = parse(_latex_arg(req["pred"]), parsing_timeout=None, raise_on_error=True)
             ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None, raise_on_error=True)
             signal.alarm(0)
-            reply({"ok": bool(ok)})
+            print(json.dumps({"ok": bool(ok)}), file=proto)
         except BaseException as err:  # noqa: BLE001 - RecursionError, MemoryError, sympy errors...
             signal.alarm(0)
-            reply({"error": f"{type(err).__name__}: {str(err)[:200]}"})
+            print(json.dumps({"error": f"{type(err).__name__}: {str(err)[:200]}"}), file=proto)
 
 
 class _Worker:
