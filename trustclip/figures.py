@@ -55,8 +55,7 @@ def figure_context() -> Iterator[Any]:
 def new_figure(nrows: int = 1, ncols: int = 1, width: float = 5.0, height: float = 3.6):
     """(fig, axes) with panel size width x height inches, constrained layout and a 2-D axes array;
     call inside `figure_context`."""
-    figsize = (width * ncols, height * nrows)
-    return pyplot().subplots(nrows, ncols, figsize=figsize, squeeze=False, layout="constrained")
+    return pyplot().subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, layout="constrained")
 
 
 def style_axes(ax, title: str | None = None, xlabel: str | None = None, ylabel: str | None = None) -> None:
@@ -101,12 +100,6 @@ def divergence_regions(delta: float = 0.07, kl1_two_sided: bool = False) -> dict
 
 def _fmt(x: float) -> str:
     return f"{x:.3f}" if math.isfinite(x) else "$\\infty$"
-
-
-def _w_range(regions: dict[str, tuple[float, float]], epsilon: float) -> tuple[float, float]:
-    lows = [lo for lo, _ in regions.values()] + [1 - epsilon]
-    highs = [hi for _, hi in regions.values() if math.isfinite(hi)] + [1 + epsilon]
-    return max(0.8 * min(lows), 0.02), 1.15 * max(highs)
 
 
 def draw_divergence_curve(ax, name: str, delta: float, epsilon: float, region: tuple[float, float],
@@ -203,7 +196,10 @@ def plot_divergence_regions(path: str | Path, delta: float = 0.07, epsilon: floa
     if not 0 < q_range[0] < q_range[1] <= 1:
         raise ValueError(f"q_range must satisfy 0 < q_min < q_max <= 1, got {q_range}")
     regions = divergence_regions(delta, kl1_two_sided)
-    w_range = _w_range(regions, epsilon)
+    # The ratio axis shows every interval's finite ends and the clip range, with a margin.
+    lows = [lo for lo, _ in regions.values()] + [1 - epsilon]
+    highs = [hi for _, hi in regions.values() if math.isfinite(hi)] + [1 + epsilon]
+    w_range = (max(0.8 * min(lows), 0.02), 1.15 * max(highs))
     with figure_context() as plt:
         fig = plt.figure(figsize=(15, 7.5), layout="constrained")
         grid = fig.add_gridspec(2, 4)

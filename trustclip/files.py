@@ -41,12 +41,11 @@ def write_jsonl_atomic(path: str | Path, rows: Iterable[dict[str, Any]]) -> Path
 
 
 def append_jsonl(path: str | Path, row: dict[str, Any]) -> None:
-    """Append one JSON line (flushed) to `path`."""
+    """Append one JSON line to `path` (written when the call returns: the file is closed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as fh:
         fh.write(_json_line(row))
-        fh.flush()
 
 
 def _json_line(row: dict[str, Any]) -> str:
@@ -107,8 +106,7 @@ def try_lock(path: str | Path) -> Any | None:
     except OSError:
         handle.close()
         return None
-    handle.seek(0)
-    handle.truncate()
+    handle.truncate(0)  # append mode: the pid is then written at offset 0
     handle.write(str(os.getpid()))
     handle.flush()
     return handle

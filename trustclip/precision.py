@@ -33,18 +33,12 @@ def cpu_has_bf16() -> bool:
     return any(flag in flags for flag in _CPU_BF16_FLAGS)
 
 
-def _default_device_type() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def bf16_problem(device_type: str | None = None) -> str | None:
     """Why `bf16=True` cannot be honoured on this machine's `device_type` (default: cuda if present, else cpu),
     or None when it can."""
     import torch
 
-    device_type = device_type or _default_device_type()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         return None if torch.cuda.is_bf16_supported() else (
             f"the GPU ({torch.cuda.get_device_name()}) has no bfloat16 support")
@@ -55,16 +49,15 @@ def bf16_problem(device_type: str | None = None) -> str | None:
     return f"bfloat16 autocast is not set up for device type {device_type!r}"
 
 
-def resolve_bf16(setting: bool | None, device_type: str | None = None) -> bool:
+def resolve_bf16(setting: bool | None) -> bool:
     """The mixed-precision flag a run uses: `setting` itself (True checked against the machine), or for None the
     default: on where it pays without a measurement (a bfloat16 GPU), off on CPU."""
-    device_type = device_type or _default_device_type()
+    import torch
+
     if setting is None:
-        return device_type == "cuda" and bf16_problem("cuda") is None
-    if setting:
-        problem = bf16_problem(device_type)
-        if problem:
-            raise ValueError(f"bf16=true cannot be honoured here: {problem}; set bf16: false (--set bf16=false)")
+        return torch.cuda.is_available() and bf16_problem("cuda") is None
+    if setting and (problem := bf16_problem()):
+        raise ValueError(f"bf16=true cannot be honoured here: {problem}; set bf16: false (--set bf16=false)")
     return setting
 
 
@@ -92,7 +85,7 @@ class LowPrecisionCopy:
         # prompt's hidden states) copies the LM head once per row: 8.3 s instead of 23 ms for 32 rows of SmolLM2.
         self.model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: (args[0].contiguous(),))
         names = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        missing = [name for name, _ in merged_parameters(_unwrapped(policy)) if name not in names]
+        missing = [name for name, _ in merged_parameters(policy) if name not in names]
         if missing:
             raise ValueError(f"LowPrecisionCopy: the merged copy lacks the policy's parameters {missing[:3]}")
 
@@ -102,19 +95,17 @@ class LowPrecisionCopy:
 
         params = dict(self.model.named_parameters(remove_duplicate=False))  # tied weights under each name
         with torch.no_grad():
-            for name, value in merged_parameters(_unwrapped(policy)):
+            for name, value in merged_parameters(policy):
                 params[name].copy_(value)
         return self.model
-
-
-def _unwrapped(policy: Any) -> Any:
-    return policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # the model inside a PEFT wrapper
 
 
 def merged_parameters(model: Any) -> Iterator[tuple[str, Any]]:
     """`(name, tensor)` of `model`'s parameters as the plain model (no PEFT wrapper) would name them, each LoRA
     layer's weight with its active adapters' deltas added; the model itself is not changed (PEFT's own merge would
     round its base weights)."""
+    if hasattr(model, "get_base_model"):  # a PEFT wrapper: name the parameters of the model inside it
+        model = model.get_base_model()
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # no peft: no adapters

@@ -1,19 +1,17 @@
 """Load prompt rows `{"id", "problem", "answer", ...}` from local files, the hub, or the synthetic task.
 
-Sources understood by `load_prompts`:
-- a local `.jsonl` / `.ndjson`, `.json` (an array of objects, `{"data": [...]}`, or JSON Lines) or
-  `.parquet` file;
-- `builtin:<split>`: a split of the synthetic task (`builtin:train`, `builtin:amc_like`, ...);
-- anything else is a Hugging Face hub dataset id, loaded with `datasets.load_dataset` (needs internet).
+A source is a local `.jsonl` / `.ndjson`, `.json` (an array of objects, `{"data": [...]}`, or JSON Lines) or `.parquet`
+file; `builtin:<split>`, a split of the synthetic task (`builtin:train`, `builtin:amc_like`, ...); anything else is a
+Hugging Face hub dataset id, loaded with `datasets.load_dataset` (needs internet).
 
-Field names are configurable (`problem_key`, `answer_key`, `id_key`). The verl/DAPO-Math-17k hub layout
-(`prompt` = list of chat messages, `reward_model.ground_truth`, `extra_info.index`) is recognised when
-the problem field is absent; DAPO's own "Answer:" instruction wrapper is stripped from the problem, since
-our templates add the `\\boxed{}` instruction. The GSM8K layout (`answer` = worked solution, then `#### N`; the
-problem in `question` when the problem field is absent, as in the hub's openai/gsm8k) is recognised too: the answer
-becomes N and, unless the record has one, `solution` the worked solution (calculator annotations `<<...>>` removed)
-ending in `\\boxed{N}`: an SFT target in the format the reward requires. Every record is validated while loading,
-so a malformed file fails with `DataFormatError` naming the file and line before any training starts.
+Field names are configurable (`problem_key`, `answer_key`, `id_key`). Two hub layouts are recognised too:
+- verl/DAPO-Math-17k (`prompt` = chat messages, `reward_model.ground_truth`, `extra_info.index`) when the problem
+  field is absent; DAPO's own "Answer:" instruction wrapper is stripped, since our templates ask for `\\boxed{}`;
+- GSM8K (`answer` = worked solution, then `#### N`; the problem in `question` when the problem field is absent, as in
+  openai/gsm8k): the answer becomes N and, unless the record has one, `solution` the worked solution (calculator
+  annotations `<<...>>` removed) ending in `\\boxed{N}`: an SFT target in the format the reward requires.
+Every record is validated while loading, so a malformed file fails with `DataFormatError` naming the file and line
+before any training starts.
 
 Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
 `math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2; `parse_benchmark_spec`, `select_rows`).
@@ -27,8 +25,12 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
+
+from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, make_synthetic_splits
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 FILE_SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet"}
@@ -78,17 +80,11 @@ class BenchmarkSpec:
     source: str
     filters: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
-    @property
-    def query(self) -> str:
-        return "&".join(f"{key}={','.join(json.dumps(v) for v in values)}" for key, values in self.filters)
-
 
 def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
     """`NAME=SOURCE`, a bare `SOURCE` (named after the file stem) or `builtin` (every held-out synthetic split), each
     optionally followed by `?FIELD=V1,V2[&FIELD2=...]` to keep some rows. Raises ValueError on a malformed spec;
     loads nothing."""
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
-
     body, _, query = spec.partition("?")
     filters = _parse_filters(spec, query) if query else ()
     if body == "builtin":
@@ -106,8 +102,6 @@ def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
 def _parse_filters(spec: str, query: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
     """`level=1,2&subject=Algebra` -> (("level", (1, 2)), ("subject", ("Algebra",))). A value is read as JSON when it
     is JSON (1, 1.5, true, null, "text"), else taken as text; `%26`, `%2C`, `%3D` write a literal `&`, `,`, `=`."""
-    from urllib.parse import unquote
-
     filters: dict[str, tuple[Any, ...]] = {}
     for part in query.split("&"):
         key, sep, listed = part.partition("=")
@@ -119,8 +113,7 @@ def _parse_filters(spec: str, query: str) -> tuple[tuple[str, tuple[Any, ...]], 
         if key in filters:
             raise ValueError(f"bad benchmark spec {spec!r}: field {key!r} is given twice; list its values once "
                              f"({key}=V1,V2)")
-        bad = [v for v in values if isinstance(v, list | dict)]
-        if bad:
+        if bad := [v for v in values if isinstance(v, list | dict)]:
             raise ValueError(f"bad benchmark spec {spec!r}: {key}={json.dumps(bad[0])} is not a single value (a "
                              "number, string, true/false or null)")
         filters[key] = values
@@ -148,15 +141,15 @@ def select_rows(rows: list[dict[str, Any]], bench: BenchmarkSpec) -> list[dict[s
     combination that keeps no row is a ValueError naming it."""
     if not bench.filters:
         return rows
-    spec = f"{bench.name}={bench.source}?{bench.query}"
+    query = "&".join(f"{key}={','.join(json.dumps(v) for v in values)}" for key, values in bench.filters)
+    spec = f"{bench.name}={bench.source}?{query}"
     kept = rows
     for key, values in bench.filters:
         if not any(key in r for r in rows):
             fields = ", ".join(sorted(rows[0])) if rows else "none"
             raise ValueError(f"benchmark spec {spec!r}: no row has a field {key!r} (fields: {fields})")
         present = {json.dumps(r[key]): r[key] for r in rows if key in r}
-        missing = [v for v in values if not any(_matches(key, p, v) for p in present.values())]
-        if missing:
+        if missing := [v for v in values if not any(_matches(key, p, v) for p in present.values())]:
             shown = ", ".join(sorted(present)[:20]) + (", ..." if len(present) > 20 else "")
             raise ValueError(f"benchmark spec {spec!r}: no row has {key} in {json.dumps(missing)} (values of {key}: "
                              f"{shown}); drop the value or fix its spelling (a string that looks like a number is "
@@ -182,8 +175,6 @@ def load_benchmark_specs(specs: Sequence[str], *, limit: int | None = None,
 
 
 def _load_builtin(split: str, seed: int) -> list[dict[str, Any]]:
-    from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, make_synthetic_splits
-
     known = ["train", *DEFAULT_EVAL_SPLITS]
     if split not in known:
         raise ValueError(f"unknown builtin split {split!r}; choose from {known}")
@@ -231,10 +222,9 @@ def _bad_json(path: Path, err: ValueError, line: int | None = None) -> DataForma
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     text = _decode(path.read_bytes(), path)
-    stripped = text.lstrip()
-    if not stripped:
+    if not text.strip():
         return
-    if stripped.startswith("["):
+    if text.lstrip().startswith("["):
         yield from _iter_json_array(path, text)
         return
     try:
@@ -281,8 +271,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise DataFormatError(f"{path}: cannot read parquet file ({err})") from None
-    for i, rec in enumerate(table.to_pylist()):
-        yield f"{path}: row {i}", rec
+    yield from ((f"{path}: row {i}", rec) for i, rec in enumerate(table.to_pylist()))
 
 
 def _load_hub(name: str, split: str, subset: str | None, keys: tuple[str, str, str]) -> list[dict[str, Any]]:
@@ -304,7 +293,8 @@ def _normalize(record: Any, where: str, keys: tuple[str, str, str], default_id: 
     problem_key, answer_key, id_key = keys
     if not isinstance(record, dict):
         raise DataFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    dapo = problem_key not in record and _is_dapo(record)
+    dapo = problem_key not in record and isinstance(record.get("prompt"), list) \
+        and isinstance(record.get("reward_model"), dict)
     problem = _dapo_problem(record["prompt"]) if dapo else record.get(problem_key)
     answer = record["reward_model"].get("ground_truth") if dapo and answer_key not in record else record.get(answer_key)
     gsm8k = GSM8K_ANSWER.search(answer) if isinstance(answer, str) else None
@@ -336,24 +326,16 @@ def _answer_to_str(answer: Any, where: str, key: str) -> str:
     if isinstance(answer, float):
         if not math.isfinite(answer):
             raise DataFormatError(f"{where}: field {key!r} must be a finite number, got {answer!r}")
-        return str(int(answer)) if answer.is_integer() else _decimal_text(answer)  # AMC sources store 142.0
+        if answer.is_integer():  # AMC sources store 142.0
+            return str(int(answer))
+        # Python's shortest repr in positional notation (1e-05 -> '0.00001'): math-verify reads '1e-05' as text, so a
+        # correct \boxed{0.00001} would score 0.
+        return format(Decimal(repr(answer)), "f")
     if isinstance(answer, int):  # never too long for str(): JSON and Arrow refuse such integers when reading
         return str(answer)
     if isinstance(answer, str) and answer.strip():
         return answer.strip()
     raise DataFormatError(f"{where}: field {key!r} must be a non-empty string or number, got {answer!r}")
-
-
-def _decimal_text(value: float) -> str:
-    """A float as the decimal people write: 1e-05 -> '0.00001', 2.5e-07 -> '0.00000025' (Python's shortest repr, in
-    positional notation). math-verify reads '1e-05' as text, so a correct \\boxed{0.00001} would score 0."""
-    from decimal import Decimal
-
-    return format(Decimal(repr(value)), "f")
-
-
-def _is_dapo(record: dict) -> bool:
-    return isinstance(record.get("prompt"), list) and isinstance(record.get("reward_model"), dict)
 
 
 def _dapo_problem(messages: list) -> str | None:

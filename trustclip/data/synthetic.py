@@ -1,11 +1,7 @@
-"""Built-in synthetic verifiable task: integer arithmetic at several difficulty levels.
-
-It is the offline CPU stand-in for competition math. Rows have the same format as the math benchmarks
-(`{"id", "problem", "answer"}`, answer a string), plus `solution` (a short worked solution ending in
-`\\boxed{N}`, for the SFT-for-format stage) and `level`. One reward and one eval path serve both.
-
-Levels (operands are drawn uniformly from `[lo, hi]`; `*` is always the last step and multiplies by a
-one-digit number):
+"""Built-in synthetic verifiable task: integer arithmetic at four difficulty levels (`LEVELS`), the offline CPU
+stand-in for competition math. Rows have the math benchmarks' format (`{"id", "problem", "answer"}`, answer a string)
+plus `solution` (a short worked solution ending in `\\boxed{N}`, for the SFT-for-format stage) and `level`, so one
+reward and one eval path serve both.
 
 | level | example problem            | worked solution                      |
 |-------|----------------------------|--------------------------------------|
@@ -14,23 +10,19 @@ one-digit number):
 | 3     | `Compute 12+35-7.`         | `12+35=47. 47-7=40. \\boxed{40}`     |
 | 4     | `Compute (12+35)*7.`       | `12+35=47. 47*7=329. \\boxed{329}`   |
 
-Splits from `make_synthetic_splits` (the analogues of the paper's benchmarks, easy to hard):
-
-- `train`: levels 1-4 mixed (configurable), for SFT and RL;
-- `amc_like`: levels 1-2; `aime24_like`: level 3; `aime25_like`: level 4.
-
-Held-out splits are disjoint from `train` and from each other (exact problem text), and everything is
-a pure function of the seed. A split takes its levels in turn; a level that runs out of distinct problems
-(1,000 repeats in a row) drops out and the other levels fill the rest.
+`make_synthetic_splits` gives `train` (levels 1-4 mixed, configurable; for SFT and RL) and the held-out analogues of
+the paper's benchmarks, easy to hard (`DEFAULT_EVAL_SPLITS`). Held-out splits are disjoint from `train` and from each
+other (exact problem text), and everything is a pure function of the seed. A split takes its levels in turn; a level
+that runs out of distinct problems (1,000 repeats in a row) drops out and the other levels fill the rest.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-PROBLEM_FORMAT = "Compute {expr}."
+from trustclip.data.templates import format_prompt
 
 
 @dataclass(frozen=True)
@@ -92,15 +84,14 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
         steps.append(f"{acc}{op}{x}={new}.")
         acc = new
     return {
-        "problem": PROBLEM_FORMAT.format(expr=expr),
+        "problem": f"Compute {expr}.",
         "answer": str(acc),
         "solution": " ".join(steps) + f" \\boxed{{{acc}}}",
         "level": spec.number if spec.number is not None else repr(spec),
     }
 
 
-def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str],
-                max_misses: int = 1000) -> list[dict]:
+def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str]) -> list[dict]:
     # A string seed gives an independent, reproducible stream per split (hash-seed independent).
     rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
     rows: list[dict] = []
@@ -111,17 +102,15 @@ def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed
         row = make_problem(level, rng)
         if row["problem"] in seen:
             misses += 1
-            if misses == max_misses:  # ... until a level runs out of new problems: the others fill in
+            if misses == 1000:  # ... until a level runs out of new problems: the others fill in
                 active, misses = [lv for lv in active if lv != level], 0
             continue
         misses = 0
         seen.add(row["problem"])
         rows.append({"id": f"{name}-{len(rows)}", **row})
     if len(rows) < n:
-        raise ValueError(
-            f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
-            f"{tuple(levels)}); lower n or add harder levels"
-        )
+        raise ValueError(f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
+                         f"{tuple(levels)}); lower n or add harder levels")
     exclude |= seen
     return rows
 
@@ -134,23 +123,14 @@ def _check_levels(split: str, levels: Sequence[int | ArithmeticLevel]) -> None:
             raise ValueError(f"split {split!r}: unknown level {lv!r}; known levels: {sorted(LEVELS)}")
 
 
-def make_synthetic_splits(
-    seed: int = 0,
-    n_train: int = 2000,
-    n_eval: int = 64,
-    *,
-    train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
-    eval_splits: dict[str, Sequence[int | ArithmeticLevel]] | None = None,
-) -> dict[str, list[dict]]:
-    """Train split plus held-out splits of increasing difficulty, deterministic from `seed`.
-
-    Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever
-    trained on. Returns `{"train": rows, "amc_like": rows, "aime24_like": rows, "aime25_like": rows}`
-    by default; each row is `{"id", "problem", "answer", "solution", "level"}`. Levels are keys of
-    `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)` for an easier task).
-    """
+def make_synthetic_splits(seed: int = 0, n_train: int = 2000, n_eval: int = 64, *,
+                          train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
+                          eval_splits: Mapping[str, Sequence[int | ArithmeticLevel]] = DEFAULT_EVAL_SPLITS,
+                          ) -> dict[str, list[dict]]:
+    """`{"train": rows, **{held-out split: rows}}`, deterministic from `seed`; rows as `make_problem`'s, with an `id`.
+    Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever trained on.
+    Levels are keys of `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)`)."""
     _check_levels("train", train_levels)
-    eval_splits = dict(DEFAULT_EVAL_SPLITS if eval_splits is None else eval_splits)
     for name, lvs in eval_splits.items():
         _check_levels(name, lvs)
     taken: set[str] = set()
@@ -166,12 +146,8 @@ def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto",
     the completion is the worked solution. No eos is appended: TRL's SFTTrainer adds it, a hand-written
     loop should append `tokenizer.eos_token` itself.
     """
-    from trustclip.data.templates import format_prompt
-
-    out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows):  # every row is checked before any prompt is built
         if "solution" not in row:
             raise ValueError(f"row {i} (id {row.get('id')!r}) has no 'solution' field")
-        prompt = format_prompt(row["problem"], tokenizer, style=style, system_prompt=system_prompt)
-        out.append({"prompt": prompt, "completion": row["solution"]})
-    return out
+    return [{"prompt": format_prompt(row["problem"], tokenizer, style=style, system_prompt=system_prompt),
+             "completion": row["solution"]} for row in rows]

@@ -3,8 +3,7 @@ sees the same text in all three stages.
 
 Styles:
 - `"math"`: the paper's recipe style (solve, reason step by step, final answer in `\\boxed{}`);
-- `"tiny"`: the bare problem and a newline, for the character-level tiny model trained from scratch
-  (its context is 256 tokens and every character costs CPU time);
+- `"tiny"`: the bare problem and a newline, for the character-level tiny model trained from scratch;
 - `"raw"`: the problem text unchanged;
 - `"auto"`: `"tiny"` for the trustclip tiny tokenizer, `"math"` otherwise;
 - any other string containing `{problem}` is used as a custom template (braces need no escaping).
@@ -28,15 +27,13 @@ PROMPT_STYLE_KEY = "trustclip_prompt_style"  # a tokenizer_config.json entry nam
 def resolve_template(style: str = "auto", tokenizer: Any = None) -> str:
     """Template string for a style name (or a custom template containing `{problem}`)."""
     if style == "auto":
-        marked = getattr(tokenizer, "init_kwargs", {}).get(PROMPT_STYLE_KEY) if tokenizer is not None else None
+        marked = getattr(tokenizer, "init_kwargs", {}).get(PROMPT_STYLE_KEY)
         style = marked if marked in TEMPLATES else "math"
     if style in TEMPLATES:
         return TEMPLATES[style]
     if "{problem}" not in style:
-        raise ValueError(
-            f"unknown prompt style {style!r}: use one of {sorted(TEMPLATES) + ['auto']} "
-            "or a custom template containing '{problem}'"
-        )
+        raise ValueError(f"unknown prompt style {style!r}: use one of {sorted(TEMPLATES) + ['auto']} "
+                         "or a custom template containing '{problem}'")
     return style
 
 
@@ -57,9 +54,7 @@ def format_prompt(problem: str, tokenizer: Any = None, style: str = "auto", syst
     messages = prompt_messages(problem, style, tokenizer, system_prompt)
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_kwargs)
-    if system_prompt:
-        return f"{system_prompt}\n{messages[-1]['content']}"
-    return messages[-1]["content"]
+    return f"{system_prompt}\n{messages[-1]['content']}" if system_prompt else messages[-1]["content"]
 
 
 def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = "auto", *, conversational: bool = False,
@@ -68,9 +63,6 @@ def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = 
 
     With `conversational=True` the prompt is a message list and TRL applies the chat template itself.
     """
-    def prompt(problem: str) -> Any:
-        if conversational:
-            return prompt_messages(problem, style, tokenizer, system_prompt)
-        return format_prompt(problem, tokenizer, style, system_prompt, **chat_kwargs)
-
-    return [{**row, "prompt": prompt(row["problem"])} for row in rows]
+    if conversational:
+        return [{**r, "prompt": prompt_messages(r["problem"], style, tokenizer, system_prompt)} for r in rows]
+    return [{**r, "prompt": format_prompt(r["problem"], tokenizer, style, system_prompt, **chat_kwargs)} for r in rows]

@@ -4,16 +4,7 @@ math-verify process pool with hard timeouts, `score_completions`), `trl` (TRL re
 
 from trustclip.rewards.answers import extract_answer, fast_verdict, last_boxed
 from trustclip.rewards.trl import CorrectnessReward, completion_text, format_reward
-from trustclip.rewards.verifier import (
-    DEFAULT_TIMEOUT,
-    MathVerifier,
-    RewardStats,
-    default_verifier,
-    score_completions,
-    verify_answer,
-)
+from trustclip.rewards.verifier import DEFAULT_TIMEOUT, MathVerifier, default_verifier, score_completions, verify_answer
 
-__all__ = [
-    "DEFAULT_TIMEOUT", "CorrectnessReward", "MathVerifier", "RewardStats", "completion_text", "default_verifier",
-    "extract_answer", "fast_verdict", "format_reward", "last_boxed", "score_completions", "verify_answer",
-]
+__all__ = ["DEFAULT_TIMEOUT", "CorrectnessReward", "MathVerifier", "completion_text", "default_verifier",
+           "extract_answer", "fast_verdict", "format_reward", "last_boxed", "score_completions", "verify_answer"]

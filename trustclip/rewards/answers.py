@@ -65,17 +65,14 @@ def _as_number(s: str) -> Fraction | None:
     integer strings of more than sys.get_int_max_str_digits() digits; math-verify then decides)."""
     if _THOUSANDS_RE.match(s):
         s = s.replace(",", "")
+    sign = 1
+    if m := _LATEX_FRAC_RE.match(s):  # \frac{a}{b} -> a/b
+        sign, s = (-1 if m.group(1) == "-" else 1), f"{m.group(2) or m.group(3)}/{m.group(4) or m.group(5)}"
+    if not (_DECIMAL_RE.match(s) or _SLASH_FRAC_RE.match(s)):
+        return None
     try:
-        if _DECIMAL_RE.match(s):
-            return Fraction(s)
-        if m := _SLASH_FRAC_RE.match(s):
-            sign, num, den = "", *m.groups()
-        elif m := _LATEX_FRAC_RE.match(s):
-            sign, num, den = m.group(1), m.group(2) or m.group(3), m.group(4) or m.group(5)
-        else:
-            return None
-        return None if int(den) == 0 else Fraction(int(num), int(den)) * (-1 if sign == "-" else 1)
-    except ValueError:
+        return sign * Fraction(s)
+    except (ValueError, ZeroDivisionError):
         return None
 
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import math
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -51,14 +53,8 @@ def _latex_arg(s: str) -> str:
 
 def _worker_main() -> None:  # pragma: no cover - runs in the child process
     """Worker loop: one JSON request per stdin line, one JSON reply per line on the original stdout."""
-    import logging
-    import signal
-
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # line-buffered: each reply goes out with its newline
     os.dup2(2, 1)  # stray prints from sympy & co. must not corrupt the protocol
-
-    def reply(obj: dict) -> None:
-        proto.write(json.dumps(obj) + "\n")
 
     try:
         limit_mb = int(os.environ.get("TRUSTCLIP_VERIFY_MEMORY_MB", "0"))
@@ -72,23 +68,23 @@ def _worker_main() -> None:  # pragma: no cover - runs in the child process
             logging.getLogger(name).setLevel(logging.CRITICAL)
         verify(parse("$1$", parsing_timeout=None), parse("$1$", parsing_timeout=None), timeout_seconds=None)
     except BaseException as err:  # noqa: BLE001 - report any startup failure to the parent
-        reply({"fatal": f"{type(err).__name__}: {err}"})
+        print(json.dumps({"fatal": f"{type(err).__name__}: {err}"}), file=proto)
         return
-    reply({"ready": True})
+    print(json.dumps({"ready": True}), file=proto)
     for line in sys.stdin:
         try:
             req = json.loads(line)
             # Backstop: if the parent died mid-call nobody would kill a hung worker.
-            signal.alarm(int(math.ceil(req.get("timeout", DEFAULT_TIMEOUT))) + 30)
+            signal.alarm(math.ceil(req["timeout"]) + 30)
             # raise_on_error: an exception must reach the parent to be counted, not become a silent False.
             gold = parse(_latex_arg(req["gold"]), parsing_timeout=None, raise_on_error=True)
             pred = parse(_latex_arg(req["pred"]), parsing_timeout=None, raise_on_error=True)
             ok = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None, raise_on_error=True)
             signal.alarm(0)
-            reply({"ok": bool(ok)})
+            print(json.dumps({"ok": bool(ok)}), file=proto)
         except BaseException as err:  # noqa: BLE001 - RecursionError, MemoryError, sympy errors...
             signal.alarm(0)
-            reply({"error": f"{type(err).__name__}: {str(err)[:200]}"})
+            print(json.dumps({"error": f"{type(err).__name__}: {str(err)[:200]}"}), file=proto)
 
 
 class _Worker:
@@ -148,8 +144,7 @@ class _Worker:
         return json.loads(line)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self.proc.kill()  # a no-op once the process has exited
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -220,16 +215,15 @@ class MathVerifier:
     def _replace(self, worker: _Worker | None, closes: int) -> _Worker:
         if worker is not None:
             worker.kill()
-        if closes != self._closes:
-            raise RuntimeError("the math-verify workers were closed during the call")
-        new = _Worker(self.memory_mb, self.startup_timeout)
-        if closes != self._closes:  # close() ran while it started (seconds): it must not outlive the pool
-            new.kill()
-            raise RuntimeError("the math-verify workers were closed during the call")
-        if worker in self._workers:
-            self._workers.remove(worker)
-        self._workers.append(new)
-        return new
+        if closes == self._closes:
+            new = _Worker(self.memory_mb, self.startup_timeout)
+            if closes == self._closes:
+                if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
+                    self._workers.remove(worker)
+                self._workers.append(new)
+                return new
+            new.kill()  # close() ran while it started (seconds): it must not outlive the pool
+        raise RuntimeError("the math-verify workers were closed during the call")
 
     def close(self) -> None:
         """Kill the worker processes (new ones start on the next call)."""
@@ -283,11 +277,10 @@ def score_completions(completions: Sequence[str], answers: Sequence[str], *, tim
             scores[i] = verdict
         else:
             slow.append((i, gold, pred))
-    if slow:
-        stats.math_verify += len(slow)
-        verdicts = verifier.equal_many([(gold, pred) for _, gold, pred in slow], timeout=timeout)
-        for (i, _, _), verdict in zip(slow, verdicts, strict=True):
-            scores[i] = 1.0 if verdict is True else 0.0
+    stats.math_verify += len(slow)
+    verdicts = verifier.equal_many([(gold, pred) for _, gold, pred in slow], timeout=timeout)  # [] starts no worker
+    for (i, _, _), verdict in zip(slow, verdicts, strict=True):
+        scores[i] = 1.0 if verdict is True else 0.0
     return scores
 
 
