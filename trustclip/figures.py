@@ -156,7 +156,7 @@ def draw_q_bounds(ax, delta: float, epsilon: float, q_range: tuple[float, float]
     q = np.logspace(np.log10(q_range[0]), np.log10(q_range[1]), 400)
     q = np.minimum(q, 1 - 1e-6)  # q = 1 makes every bound degenerate
     dcpo = bounds.dcpo_bounds(q, *dcpo_epsilons)
-    with np.errstate(divide="ignore"):  # bounds.binary_kl hits log1p(-1) near q = 1; harmless there
+    with np.errstate(divide="ignore"):  # the binary KL in trgppo_bounds hits log1p(-1) near q = 1; harmless there
         trgppo, raw = bounds.trgppo_bounds(q, delta, epsilon), bounds.trgppo_bounds(q, delta, None)
     atr_lo, atr_hi = bounds.kl3_bounds(delta)
     eps_l, eps_h = dcpo_epsilons
