@@ -88,8 +88,6 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
                           [(label, (key, window)) for key, (label, *_) in SERIES.items()]):
         title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
         paths.append(plot_bands(out / "training_curves.png", training, title, ncols=4))
-        paths += [plot_bands(out / f"training_{p['title'].split(' (')[0].replace(' ', '_')}.png", [p], title, ncols=1)
-                  for p in training]
     if evals := panels("eval_vs_step", "RL step", "accuracy", eval_points,
                        [(f"{title_of(s)} {metric_title(m)}", (s, m)) for m in metrics for s in splits]):
         paths.append(plot_bands(out / "eval_vs_step.png", evals, "Held-out accuracy during RL (step 0: RL start), "
