@@ -1,10 +1,7 @@
-"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons and aggregates),
-`results.json` (the settings, each group's pivot of the table, the comparisons and aggregates) and `curves.csv` (the
-data of every figure).
-
-Table cells are percentages of the fractions in the runs' `eval/*.json`, rounded; the CSV and JSON hold the
-unrounded fractions. Every sentence that compares states a paired `Difference` through `difference_sentence` or its
-verdict: nothing is called higher or lower whose 95 % interval includes 0.
+"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons), `results.json` (the
+settings, the groups and the comparisons) and `curves.csv` (the data of every figure). Table cells are rounded
+percentages of the fractions the CSV holds. Every sentence that compares states a paired `Difference` through
+`difference_sentence` or its verdict: nothing is called higher or lower whose 95 % interval includes 0.
 """
 
 from __future__ import annotations
@@ -34,16 +31,7 @@ from trustclip.compare.results import (
     tidy,
     title_of,
 )
-from trustclip.compare.stats import (
-    LEVEL,
-    MAX_SEEDS,
-    RESAMPLES,
-    Difference,
-    Stat,
-    paired_difference,
-    stat,
-    sweep_trend,
-)
+from trustclip.compare.stats import LEVEL, MAX_SEEDS, RESAMPLES, Difference, Stat, paired_difference, stat, sweep_trend
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
 CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
@@ -352,6 +340,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
                 "outcomes": {o.key: o.label.format(k=k) for o in outcomes_of(groups)},
                 "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
-                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds} for g in groups],
+                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value,
+                            "seeds": [r.spec.seed for r in g.runs]} for g in groups],
                 "comparisons": [d.to_dict() for d in diffs]}),
             } | {fig.stem: fig for fig in figs}

@@ -1,15 +1,8 @@
-"""Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run.
-
-A run's numbers come from the files the training pipeline wrote: `eval/after.json` and `eval/before.json` (Mean@K /
-Pass@K per held-out split and their `average`, of the final RL policy and of the RL start, with Mean@k / Pass@k
-curves and, where recorded, the completions' length and entropy), `metrics.jsonl` (RL metrics; periodic evaluations
-as `eval/<split>/<metric>`) and `summary.json`. "final" is the last RL checkpoint; "best" the best evaluated one,
-chosen on the held-out problems themselves (optimistic, as in the paper; the report says so).
-
-Outcomes: `final|best|before|gain/<split>/<metric>` (gain = final - RL start), `dynamics/<series> (last 10%)|(mean)`,
-`completions/<final|before>/<split>/<length|entropy>`, `seconds`, and the `OUTCOMES` the report compares between
-groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value; the statistics over
-groups (paired comparisons, the RL start) are computed from it here, and worded in `report`.
+"""Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run, read from the files
+the training pipeline wrote (`eval/after.json`, `eval/before.json`, `metrics.jsonl`, `summary.json`). A `Group` is
+the table pivoted to one group (outcome -> seed -> value); the paired comparisons and the RL start are computed from
+it. Outcome keys: `final|best|before|gain/<split>/<metric>`, `dynamics/<series> (last 10%)|(mean)`,
+`completions/<final|before>/<split>/<length|entropy>`, `seconds` and the `OUTCOMES` (docs/compare-statistics.md).
 """
 
 from __future__ import annotations
@@ -187,10 +180,6 @@ class Group:
     sweep_value: Any
     runs: list[RunRecord]
     values: dict[str, dict[int, float]] = field(default_factory=dict)
-
-    @property
-    def seeds(self) -> list[int]:
-        return [r.spec.seed for r in self.runs]
 
     @property
     def n(self) -> int:
