@@ -320,7 +320,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                f"model), on the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
                f"of the mean difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only "
                "when the interval excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the "
-               "method and its measured coverage: `docs/compare-statistics.md` in trustclip."]
+               "method and its measured coverage: `docs/compare-statistics.md` in the trustclip repository."]
     md += ["## Training dynamics (mean ± std over seeds)", dynamics_table(groups)]
     if (held_out := completions_table(groups)) is not None:
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
@@ -334,7 +334,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
             "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs), CSV_COLUMNS),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
-            "json": write_json_atomic(out / "results.json", {  # the numbers of the runs: results.csv
+            "json": write_json_atomic(out / "results.json", {  # the runs' numbers are in results.csv only
                 "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
