@@ -5,7 +5,7 @@ reports, per interval method, its coverage of the true mean (nominal 0.95), its 
 deviations of the difference) and how often it resolves (excludes 0 for) a true difference of 2 standard
 deviations. Methods: scipy's percentile and BCa bootstrap, Hesterberg's expanded percentile bootstrap, the
 studentised bootstrap `trustclip compare` uses (`trustclip.compare.stats.bootstrap_t_interval`) and the
-paired t-interval. The figures quoted in trustclip/compare/stats.py come from this script.
+paired t-interval. The coverage table of docs/compare-statistics.md comes from this script.
 
     python benchmarks/interval_coverage.py [--experiments 1000] [--seeds 3 4 5 6 8 10]
 """

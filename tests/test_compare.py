@@ -54,6 +54,13 @@ def md_table(text: str, heading: str) -> list[list[str]]:
     return rows[0:1] + rows[2:]  # drop the |---| line
 
 
+def tidy_csv(out: Path) -> dict[tuple[str, int, str], float]:
+    """results.csv's rows of the runs (the tidy table): (group, seed, outcome) -> value."""
+    with (out / "results.csv").open() as fh:
+        return {(row["group"], int(row["seed"]), "/".join(filter(None, (row["section"], row["split"], row["metric"])))
+                 .removeprefix("outcome/")): float(row["value"]) for row in csv.DictReader(fh) if row["run"]}
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -479,10 +486,12 @@ def test_report_cells_match_the_runs_numbers(fake_env):
     clip_frac = [FAKE["clip_frac"]("clip", s) for s in seeds]
     assert dyn[0][4] == "active-constraint fraction (mean over RL)"
     assert dyn[1][4] == f"{np.mean(clip_frac):.4f} ± {np.std(clip_frac, ddof=1):.4f}"
-    # results.json / csv hold the same numbers unrounded.
+    # results.csv holds the same numbers unrounded; results.json the groups' seeds.
     results = json.loads((out / "results.json").read_text())
     clip = next(g for g in results["groups"] if g["group"] == "clip")
-    assert clip["values"]["final/s1/mean@2"] == pytest.approx({str(s): value("clip", s, 0) for s in seeds})
+    numbers = tidy_csv(out)
+    assert {s: numbers[("clip", s, "final/s1/mean@2")] for s in seeds} == pytest.approx(
+        {s: value("clip", s, 0) for s in seeds})
     assert clip["seeds"] == [0, 1, 2]
     csv_text = (out / "results.csv").read_text()
     assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
@@ -502,11 +511,9 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
     assert "on log10 delta" in line and f"+{100 * slope:.1f} points per tenfold delta" in line
     assert line.endswith(": increasing.") and f"n = {len(FIVE)}" in line
 
-def test_paired_comparisons_intervals_and_aggregates(fake_env, monkeypatch):
-    """Five seeds of clip, atr and a clip variant: the paired table, the IQM / probability-of-improvement
-    table, results.json and results.csv carry the intervals computed from the runs' own numbers."""
-    from scipy.stats import trim_mean
-
+def test_paired_comparisons_intervals(fake_env, monkeypatch):
+    """Five seeds of clip, atr and a clip variant: the paired table, results.json and results.csv carry the intervals
+    computed from the runs' own numbers."""
     from trustclip.compare.stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
@@ -531,19 +538,13 @@ def test_paired_comparisons_intervals_and_aggregates(fake_env, monkeypatch):
     assert (f"atr - clip, held-out Mean@2, final: +{100 * expected.mean:.1f} points [95% CI +{100 * expected.low:.1f}, "
             f"+{100 * expected.high:.1f}], n = 5 paired seeds: higher than clip.") in text
     assert "studentised bootstrap (bootstrap-t)" in text
-    # rliable's aggregates: IQM over (seed x split) scores, P(atr > clip) = 1 (every atr run is above every clip run)
-    aggregates = {r[0]: r[1:] for r in md_table(text, "## IQM and probability of improvement over clip")[1:]}
-    atr_scores = [FAKE["value"]("kl3", s, i, delta=0.07) for s in FIVE for i in (0, 1)]  # atr: the recipe's delta
-    assert aggregates["atr"][1].startswith(f"{100 * trim_mean(atr_scores, 0.25):.1f} [")
-    assert aggregates["atr"][3].startswith("1.00 [") and aggregates["clip"][3] == "(reference)"
     results = json.loads((fake_env / "results.json").read_text())
     assert results["reference"] == "clip"
     entry = next(c for c in results["comparisons"] if c["group"] == "atr" and c["outcome"] == "mean@K")
     assert entry["seeds"] == list(FIVE) and entry["n"] == 5 and entry["verdict"] == "higher"
     assert (entry["low"], entry["high"]) == pytest.approx((expected.low, expected.high))
     assert entry["differences"] == pytest.approx(list(expected.differences))
-    assert results["aggregates"]["atr"]["poi"]["mean@2"]["value"] == 1.0
-    assert results["groups"][1]["values"]["mean@K"]["3"] == pytest.approx(average("kl3", 3, delta=0.07))
+    assert tidy_csv(fake_env)[("atr", 3, "mean@K")] == pytest.approx(average("kl3", 3, delta=0.07))
     csv_text = (fake_env / "results.csv").read_text()
     assert f"paired vs clip,atr,kl3,,,,,mean@K,low,{entry['low']}" in csv_text
     assert "paired vs clip,atr,kl3,,,,,mean@K,verdict,higher" in csv_text
@@ -624,9 +625,9 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
     skipped = sorted(r["run"] for r in events(fake_env / "second") if r["event"] == "skip")
     assert skipped == ["_sft/seed0", "_sft/seed1", "clip/seed0", "clip/seed1"]
     for report in ("first", "second"):
-        results = json.loads((fake_env / report / "results.json").read_text())
-        clip = next(g for g in results["groups"] if g["group"] == "clip")
-        assert clip["values"]["final/average/mean@2"] == pytest.approx({str(s): average("clip", s) for s in (0, 1)})
+        numbers = tidy_csv(fake_env / report)
+        assert [numbers[("clip", s, "final/average/mean@2")] for s in (0, 1)] == pytest.approx(
+            [average("clip", s) for s in (0, 1)])
     saved = json.loads((fake_env / "second" / "compare.json").read_text())
     assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
 
@@ -795,11 +796,12 @@ def test_end_to_end_every_file_and_cell(tiny_compare):
         entropy = [numbers[(row[0], s)]["entropy"] for s in (0, 1)]
         assert row[2] == f"{np.mean(entropy):.3f} ± {np.std(entropy, ddof=1):.3f}"
         assert float(row[2].split(" ± ")[0]) > 0  # a real, non-trivial number from metrics.jsonl
-    for row in md_table(text, "## Runs")[1:]:
-        objective, seed = row[0].split("/seed")
-        n = numbers[(objective, int(seed))]
-        assert row[3] == f"{pct(n['after']['average']['mean@2'])} ({pct(n['best']['average']['mean@2'])})"
-        assert row[5] == str(n["n_evals"])
+    rows = tidy_csv(out)  # every run's own numbers, unrounded
+    for (objective, seed), n in numbers.items():
+        assert rows[(objective, seed, "final/average/mean@2")] == pytest.approx(n["after"]["average"]["mean@2"])
+        assert rows[(objective, seed, "best/average/mean@2")] == pytest.approx(n["best"]["average"]["mean@2"])
+    checkpoints = "/".join(map(str, sorted({n["n_evals"] for n in numbers.values()})))
+    assert f"'best' is the maximum over {checkpoints} evaluated RL checkpoints" in text
     assert cells_checked == 2 * 8 + 2 * 4
     # the paired comparison of atr with clip, from the runs' own final numbers: 2 seeds give an unbounded
     # bootstrap-t interval (or a point when both seeds differ equally), never a verdict from a hand rule
@@ -925,7 +927,7 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
     clip = groups[0]
     assert clip.values["final/s1/mean@2"] == pytest.approx({s: FAKE["value"]("clip", s, 0) for s in (0, 1)})
     assert clip.stat("final/s1/mean@2").mean == pytest.approx(np.mean([FAKE["value"]("clip", s, 0) for s in (0, 1)]))
-    assert clip.table("gain")["average"]["mean@2"].n == 2
+    assert clip.stat("gain/average/mean@2").n == 2
     text = findings(groups, ["s1", "s2", "average"], ["mean@2", "pass@2"], 4, 4, 5, "clip", [])
     assert "clip - RL start, held-out Average Mean@2: +15.0 points [95% CI +15.0, +15.0], n = 2 paired seeds: " \
            "higher than RL start." in text

@@ -86,10 +86,8 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
     paths = []
     if training := panels("training_curves", "RL step", None, series_points,
                           [(label, (key, window)) for key, (label, *_) in SERIES.items()]):
-        title = f"Training curves: mean ± std over seeds, moving average over {window} steps"
-        paths.append(plot_bands(out / "training_curves.png", training, title, ncols=4))
-        paths += [plot_bands(out / f"training_{p['title'].split(' (')[0].replace(' ', '_')}.png", [p], title, ncols=1)
-                  for p in training]
+        paths.append(plot_bands(out / "training_curves.png", training, "Training curves: mean ± std over seeds, "
+                                f"moving average over {window} steps", ncols=4))
     if evals := panels("eval_vs_step", "RL step", "accuracy", eval_points,
                        [(f"{title_of(s)} {metric_title(m)}", (s, m)) for m in metrics for s in splits]):
         paths.append(plot_bands(out / "eval_vs_step.png", evals, "Held-out accuracy during RL (step 0: RL start), "

@@ -1,10 +1,7 @@
-"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons and aggregates),
-`results.json` (the settings, each group's pivot of the table, the comparisons and aggregates) and `curves.csv` (the
-data of every figure).
-
-Table cells are percentages of the fractions in the runs' `eval/*.json`, rounded; the CSV and JSON hold the
-unrounded fractions. Every sentence that compares states a paired `Difference` through `difference_sentence` or its
-verdict: nothing is called higher or lower whose 95 % interval includes 0.
+"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons), `results.json` (the
+settings, the groups and the comparisons) and `curves.csv` (the data of every figure). Table cells are rounded
+percentages of the fractions the CSV holds. Every sentence that compares states a paired `Difference` through
+`difference_sentence` or its verdict: nothing is called higher or lower whose 95 % interval includes 0.
 """
 
 from __future__ import annotations
@@ -16,19 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trustclip import metric_names as names
 from trustclip.compare.figures import FIGURES_DIR, make_figures
-from trustclip.compare.plan import RunSpec, format_value
+from trustclip.compare.plan import RunSpec
 from trustclip.compare.results import (
     AVERAGE,
-    OFFPOLICY,
     OUTCOME,
     PRIMARY,
     SERIES,
     Group,
     Outcome,
     RunRecord,
-    group_aggregates,
     metric_title,
     outcomes_of,
     paired_comparisons,
@@ -37,17 +31,7 @@ from trustclip.compare.results import (
     tidy,
     title_of,
 )
-from trustclip.compare.stats import (
-    LEVEL,
-    MAX_SEEDS,
-    RESAMPLES,
-    Difference,
-    Estimate,
-    Stat,
-    paired_difference,
-    stat,
-    sweep_trend,
-)
+from trustclip.compare.stats import LEVEL, MAX_SEEDS, RESAMPLES, Difference, Stat, paired_difference, stat, sweep_trend
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
 CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
@@ -75,13 +59,6 @@ def fmt_amount(x: float, o: Outcome = PRIMARY) -> str:
 def fmt_interval(d: Difference, o: Outcome = PRIMARY, head: str = "") -> str:
     """'[-0.4, +2.1]' in the outcome's unit, `head` inside the bracket ('n/a' below 2 seeds)."""
     return "n/a" if d.n < 2 else f"[{head}{fmt(d.low, o.scale, o.digits, '+')}, {fmt(d.high, o.scale, o.digits, '+')}]"
-
-
-def fmt_estimate(e: Estimate | None, scale: float = 100.0, digits: int = 1) -> str:
-    if e is None:
-        return "n/a"
-    return fmt(e.value, scale, digits) + (" (no interval)" if math.isnan(e.low) else
-                                          f" [{fmt(e.low, scale, digits)}, {fmt(e.high, scale, digits)}]")
 
 
 def needed_text(d: Difference) -> str:
@@ -248,26 +225,6 @@ def completions_table(groups: Sequence[Group]) -> str | None:
     return stat_table(groups, columns) if columns else None
 
 
-def aggregates_table(groups: Sequence[Group], aggregates: dict, reference: str, metrics: Sequence[str]) -> str:
-    """rliable's IQM and probability of improvement over the reference, with stratified bootstrap intervals."""
-    return _table(["Group", "seeds", *(f"IQM {metric_title(m)} (%)" for m in metrics),
-                   *(f"P(group > {reference}), {metric_title(m)}" for m in metrics)], [
-        [g.group, g.n, *(fmt_estimate(aggregates[g.group]["iqm"].get(m)) for m in metrics),
-         *("(reference)" if g.group == reference else fmt_estimate(aggregates[g.group]["poi"].get(m), 1.0, 2)
-           for m in metrics)]
-        for g in groups])
-
-
-def runs_table(records: Sequence[RunRecord], avg: str) -> str:
-    head = ["Run", "objective", "hyper-parameters", *(f"{title_of(avg)} {metric_title(m)} final (best)"
-                                                      for m in records[0].metrics), "evaluated checkpoints", "seconds"]
-    return _table(head, [
-        [r.spec.run_id, r.spec.objective, ", ".join(f"{k}={format_value(v)}" for k, v in r.spec.hparams.items()
-                                                    if v is not None) or "-",
-         *(f"{fmt(r.final[avg][m])} ({fmt(r.best[avg][m])})" for m in r.metrics), len(r.history),
-         f"{r.seconds.get('total', math.nan):.0f}"] for r in records], "|---|---" + "|---:" * (len(head) - 3))
-
-
 def paired_table(diffs: Sequence[Difference], k: int) -> str:
     """One row per (group, outcome): group - reference, its interval, seeds, verdict and seeds needed."""
     if not diffs:
@@ -278,9 +235,9 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the files
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference], aggregates: dict) -> list[dict[str, Any]]:
+def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference]) -> list[dict[str, Any]]:
     """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
-    percentages), then one row per statistic of the paired comparisons and of the aggregates."""
+    percentages), then one row per statistic of the paired comparisons."""
     rows: list[dict[str, Any]] = []
     for row in tidy([r for g in groups for r in g.runs]):
         section, _, rest = row["outcome"].partition("/")
@@ -291,9 +248,6 @@ def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference], aggregates: d
     rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
               "value": info[name]} for d in diffs for info in (d.to_dict(),)
              for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
-    rows += [{"section": kind, "group": group, "metric": metric, "statistic": name, "value": value}
-             for group, kinds in aggregates.items() for kind, per_metric in kinds.items()
-             for metric, estimate in per_metric.items() for name, value in estimate.to_dict().items()]
     info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
                       "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
     return [{**info.get(r["group"], {}), **r} for r in rows]
@@ -316,7 +270,6 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     (m0, m1), rl, ev, data = (metric_title(m) for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
-    aggregates = group_aggregates(groups, reference, splits, metrics) if finished_reference else {}
     figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES_DIR, window)
     start, start_spread = start_stats(groups, splits, metrics[0])
     missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
@@ -364,55 +317,30 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     else:
         md += [paired_table(diffs, k),
                f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT "
-               f"model), averaged over the n seeds both groups have finished. {LEVEL:.0%} CI: studentised bootstrap "
-               f"(bootstrap-t) of the mean difference, seeds resampled in pairs ({RESAMPLES} resamples of the "
-               "per-seed differences, `scipy.stats.bootstrap`); a percentile or BCa interval stays inside the range "
-               "of the seeds and under-covers with a handful of them (see `trustclip/compare/stats.py`). With 2-3 "
-               "seeds the interval is unbounded (a resample that repeats one seed has no spread).",
-               "Verdict: higher / lower only when the interval excludes 0; identical: every difference exactly 0. "
-               "Seeds needed: the number of seeds at which a two-sided paired t-test at alpha 0.05 has power 0.8 if "
-               f"the observed mean and standard deviation of the differences were the true ones (> {MAX_SEEDS}: more "
-               "than that; not estimable: no spread, no difference or one seed); the bootstrap-t interval is wider "
-               "than the t-test's at a handful of seeds, so it may need a few more.",
-               "Outcomes on the held-out average; train reward, entropy and length over the last 10% of RL steps; "
-               f"active-constraint fraction = `{names.CLIP_ANY}`, off-policy fraction = `{OFFPOLICY}`, both averaged "
-               f"over RL; collapse = 1 for a run whose final held-out Mean@{k} is below its own RL start.",
-               f"## IQM and probability of improvement over {reference} (rliable)",
-               aggregates_table(groups, aggregates, reference, metrics),
-               "IQM: interquartile mean of the final scores of every (seed, held-out split), in %. "
-               f"P(group > {reference}): probability that a run of the group scores higher than a run of {reference} "
-               "on a split (ties count one half), averaged over splits (Agarwal et al. 2021, arXiv 2108.13264). "
-               f"Brackets: {LEVEL:.0%} percentile intervals of a stratified bootstrap (seeds resampled within each "
-               "split), descriptive: with a handful of seeds they are too narrow, and the verdicts come from the "
-               "paired intervals above."]
+               f"model), on the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
+               f"of the mean difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only "
+               "when the interval excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the "
+               "method and its measured coverage: `docs/compare-statistics.md` in the trustclip repository."]
     md += ["## Training dynamics (mean ± std over seeds)", dynamics_table(groups)]
     if (held_out := completions_table(groups)) is not None:
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
-    singles = [p for p in figs if p.stem.startswith("training_") and p.stem != "training_curves"]
-    md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs if p not in singles)]
-    if singles:
-        md.append("Single panels: " + ", ".join(f"[{p.stem}]({p.relative_to(out).as_posix()})" for p in singles))
-    md += ["## Runs", runs_table(records, splits[-1]), "## Files",
-           "- `results.json`: every number above (fractions, unrounded; per seed and per group); `results.csv`: one "
-           "row per number of a run, then the paired comparisons and IQM / P(improvement)\n"
-           "- `curves.csv`: the data of every figure; `compare_log.jsonl`: run starts / finishes / failures\n"
-           "- `runs/<objective>[_<key>=<value>]/seed<k>/`: each run's own files (summary.json, metrics.jsonl, eval/, "
-           "plots/, checkpoints)"]
+    md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs), "## Files",
+           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded, then the paired "
+           "comparisons; `results.json`: the settings and the paired comparisons; `curves.csv`: the data of every "
+           "figure; `compare_log.jsonl`: run starts / finishes / failures; `runs/`: each run's own files."]
     return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
-            "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs, aggregates), CSV_COLUMNS),
+            "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs), CSV_COLUMNS),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
-            "json": write_json_atomic(out / "results.json", {  # the tidy table's pivots; every run's files: its dir
+            "json": write_json_atomic(out / "results.json", {  # the runs' numbers are in results.csv only
                 "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
                 "outcomes": {o.key: o.label.format(k=k) for o in outcomes_of(groups)},
                 "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
-                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value, "seeds": g.seeds,
-                            "values": g.values} for g in groups],
-                "comparisons": [d.to_dict() for d in diffs],
-                "aggregates": {g: {kind: {m: e.to_dict() for m, e in per.items()} for kind, per in kinds.items()}
-                               for g, kinds in aggregates.items()}}),
+                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value,
+                            "seeds": [r.spec.seed for r in g.runs]} for g in groups],
+                "comparisons": [d.to_dict() for d in diffs]}),
             } | {fig.stem: fig for fig in figs}

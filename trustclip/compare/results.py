@@ -1,15 +1,8 @@
-"""Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run.
-
-A run's numbers come from the files the training pipeline wrote: `eval/after.json` and `eval/before.json` (Mean@K /
-Pass@K per held-out split and their `average`, of the final RL policy and of the RL start, with Mean@k / Pass@k
-curves and, where recorded, the completions' length and entropy), `metrics.jsonl` (RL metrics; periodic evaluations
-as `eval/<split>/<metric>`) and `summary.json`. "final" is the last RL checkpoint; "best" the best evaluated one,
-chosen on the held-out problems themselves (optimistic, as in the paper; the report says so).
-
-Outcomes: `final|best|before|gain/<split>/<metric>` (gain = final - RL start), `dynamics/<series> (last 10%)|(mean)`,
-`completions/<final|before>/<split>/<length|entropy>`, `seconds`, and the `OUTCOMES` the report compares between
-groups, paired by seed. A `Group` is the table pivoted to one group: outcome -> seed -> value; the statistics over
-groups (paired comparisons, rliable's aggregates, the RL start) are computed from it here, and worded in `report`.
+"""Finished runs as one tidy table: a row (run, group, seed, outcome, value) per number of a run, read from the files
+the training pipeline wrote (`eval/after.json`, `eval/before.json`, `metrics.jsonl`, `summary.json`). A `Group` is
+the table pivoted to one group (outcome -> seed -> value); the paired comparisons and the RL start are computed from
+it. Outcome keys: `final|best|before|gain/<split>/<metric>`, `dynamics/<series> (last 10%)|(mean)`,
+`completions/<final|before>/<split>/<length|entropy>`, `seconds` and the `OUTCOMES` (docs/compare-statistics.md).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ import numpy as np
 
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Difference, Estimate, Stat, iqm, paired_difference, probability_of_improvement, stat
+from trustclip.compare.stats import Difference, Stat, paired_difference, stat
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_json
 from trustclip.train.plots import read_series
@@ -189,23 +182,11 @@ class Group:
     values: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
-    def seeds(self) -> list[int]:
-        return [r.spec.seed for r in self.runs]
-
-    @property
     def n(self) -> int:
         return len(self.runs)
 
     def stat(self, outcome: str) -> Stat:
         return stat(list(self.values.get(outcome, {}).values()))
-
-    def table(self, section: str) -> dict[str, dict[str, Stat]]:
-        """split -> metric -> Stat of a `<section>/<split>/<metric>` outcome (final, best, before, gain)."""
-        out: dict[str, dict[str, Stat]] = {}
-        for key in (key for key in self.values if key.startswith(section + "/")):
-            split, metric = key[len(section) + 1:].rsplit("/", 1)
-            out.setdefault(split, {})[metric] = self.stat(key)
-        return out
 
 
 def group_runs(records: Sequence[RunRecord]) -> list[Group]:
@@ -240,25 +221,6 @@ def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Differen
     ref = next(g for g in groups if g.group == reference)
     return [paired_difference(g.values.get(o.key, {}), ref.values.get(o.key, {}), group=g.group, ref=ref.group,
                               outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
-
-
-def group_aggregates(groups: Sequence[Group], reference: str, splits: Sequence[str],
-                     metrics: Sequence[str]) -> dict[str, dict[str, dict[str, Estimate]]]:
-    """group -> {"iqm": {metric: Estimate}, "poi": {metric: P(group > reference)}} over the (seed x split) final
-    scores of the held-out splits (not their average: rliable aggregates over tasks)."""
-    tasks = [s for s in splits if s != AVERAGE] or list(splits)
-
-    def scores(g: Group, metric: str) -> np.ndarray:  # runs (rows) lacking a split are left out
-        return np.array([[r.final[s][metric] for s in tasks] for r in g.runs if all(s in r.final for s in tasks)])
-
-    ref = next(g for g in groups if g.group == reference)
-    out: dict[str, dict[str, dict[str, Estimate]]] = {}
-    for g in groups:
-        out[g.group] = {"iqm": {m: iqm(x) for m in metrics if (x := scores(g, m)).size}}
-        if g is not ref:
-            out[g.group]["poi"] = {m: probability_of_improvement(x, y) for m in metrics
-                                   if (x := scores(g, m)).size and (y := scores(ref, m)).size}
-    return out
 
 
 def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:

@@ -1,35 +1,13 @@
-"""Statistics of a comparison over seeds (scipy does them; this docstring states the design).
-
-- **Paired by seed.** The runs of one seed share their SFT start, so a group is compared with the reference through
-  the per-seed differences (group - reference) on the seeds both have: the start's variation cancels, and
-  resampling the differences resamples seeds in pairs.
-- **Interval: studentised bootstrap (bootstrap-t)** of the mean difference (Efron & Tibshirani 1993, ch. 12;
-  Hesterberg 2015, Am. Stat. 69(4)). Percentile-type intervals stay inside the sample range, which holds a symmetric
-  distribution's mean with probability 1 - 2^(1-n) only. Coverage of a nominal 95 % at n = 5
-  (benchmarks/interval_coverage.py, 1,000 experiments per row; tests/test_stats.py checks 200):
-
-      differences      percentile  BCa   expanded  bootstrap-t  paired t
-      normal              83 %     82 %    91 %       94 %        95 %
-      exponential         76 %     78 %    85 %       91 %        87 %
-      lognormal           74 %     75 %    83 %       91 %        84 %
-      t(3)                83 %     80 %    92 %       94 %        96 %
-
-  The price: it is wider (median 3.0 sd of the differences at n = 5, 2.3 for the t-interval), and unbounded at
-  n <= 3 (a resample repeating one seed has no spread).
-- **Verdicts follow from the interval alone**: higher / lower when it excludes 0; not adjusted for multiplicity.
-- **Seeds needed**: the n at which a two-sided paired t-test at alpha 0.05 has power 0.8 for the observed mean and
-  sd of the differences (noncentral t; Cohen 1988): a planning figure.
-- **Aggregates** (rliable; Agarwal et al. 2021, arXiv 2108.13264): the interquartile mean of the (seed x split)
-  scores and P(X > Y) (Mann-Whitney U / (n m), averaged over splits), with stratified-bootstrap percentile
-  intervals: they describe, the paired intervals decide. (rliable is no dependency: it pulls arch, seaborn and absl
-  for two formulas.)
+"""Statistics of a comparison over seeds, as numbers (`report` words them): a group against the reference, paired by
+seed, with a studentised-bootstrap interval of the mean difference; a sweep through the per-seed slope. Why these and
+their measured coverage: docs/compare-statistics.md.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -180,48 +158,3 @@ def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group:
                                       for v in values)))
     slopes = [np.polyfit(x, [outcome_by_value[v][s] for v in values], 1)[0] for s in seeds]
     return _difference(group, "no trend", outcome, seeds, slopes), log
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A point estimate with its percentile bootstrap interval (NaN when not computable)."""
-
-    value: float
-    low: float
-    high: float
-
-    def to_dict(self) -> dict[str, float]:
-        return {"value": self.value, "low": self.low, "high": self.high, "level": LEVEL}
-
-
-def _stratified(columns: Sequence[np.ndarray], statistic: Callable[..., np.ndarray]) -> Estimate:
-    """statistic(*columns), with a percentile interval from resampling each column (stratum) on its own."""
-    value = float(statistic(*columns))
-    if min(len(c) for c in columns) < 2:
-        return Estimate(value, math.nan, math.nan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", sps.DegenerateDataWarning)  # all resamples equal: a point interval
-        ci = sps.bootstrap(tuple(columns), statistic, vectorized=True, n_resamples=RESAMPLES, method="percentile",
-                           confidence_level=LEVEL, rng=np.random.default_rng(BOOTSTRAP_SEED)).confidence_interval
-    low, high = (value, value) if np.isnan(ci.low) and np.isnan(ci.high) else (float(ci.low), float(ci.high))
-    return Estimate(value, low, high)
-
-
-def iqm(scores: np.ndarray) -> Estimate:
-    """Interquartile mean of a (seeds x splits) score matrix; seeds resampled within each split (rliable's
-    StratifiedBootstrap)."""
-    scores = np.asarray(scores, float)
-    return _stratified(list(scores.T), lambda *c, axis=-1: sps.trim_mean(np.concatenate(c, axis=axis), 0.25, axis=axis))
-
-
-def probability_of_improvement(x: np.ndarray, y: np.ndarray) -> Estimate:
-    """rliable's P(X > Y) for (seeds x splits) scores of a group `x` and the reference `y`: the mean over splits of
-    U / (n m), U the Mann-Whitney statistic (ties count one half); each group's seeds resampled within each split."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    k = x.shape[1]
-
-    def statistic(*c: np.ndarray, axis: int = -1) -> np.ndarray:
-        return np.mean([sps.mannwhitneyu(a, b, axis=axis, method="asymptotic").statistic
-                        / (a.shape[axis] * b.shape[axis]) for a, b in zip(c[:k], c[k:], strict=True)], axis=0)
-
-    return _stratified([*x.T, *y.T], statistic)
