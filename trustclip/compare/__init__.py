@@ -21,7 +21,7 @@ from trustclip.files import read_json, write_json_atomic
 from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"
-DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (trustclip.compare.stats)
+DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (docs/compare-statistics.md)
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 
