@@ -4,9 +4,7 @@ clip fractions against the optimizer step, read from `metrics.jsonl`, raw (faint
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -24,18 +22,13 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 
 
 def read_series(path: str | Path, stage: str = "rl") -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{metric: (steps, values)} of one stage's numeric metrics in a metrics.jsonl file."""
-    return series_from_rows(row for row in read_jsonl(path) if row.get("stage") == stage)
-
-
-def series_from_rows(rows: Iterable[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{metric: (steps, values)} of the numeric, finite metrics of logged rows, by step (a step logged twice,
-    e.g. by a resumed run, keeps its last value)."""
+    """{metric: (steps, values)} of one stage's numeric, finite metrics in a metrics.jsonl file, by step (a step
+    logged twice, e.g. by a resumed run, keeps its last value)."""
     series: dict[str, dict[int, float]] = {}
-    for row in rows:
+    for row in read_jsonl(path):
         for key, value in row.items():
-            if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-                    and key not in ("step", "time")):
+            if (row.get("stage") == stage and isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and key not in ("step", "time")):
                 series.setdefault(key, {})[int(row["step"])] = float(value)
     return {k: (np.array(sorted(v), dtype=int), np.array([v[s] for s in sorted(v)], dtype=float))
             for k, v in series.items()}
