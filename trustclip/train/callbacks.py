@@ -81,10 +81,10 @@ def _duration(seconds: float) -> str:
 
 
 class PeriodicEvalCallback(TrainerCallback):
-    """Runs `evaluate_fn(model, step) -> {name: value}` every `every` steps on the main process and hands the
-    values to the trainer's metric buffer, so they are logged with that step (logs, report_to, jsonl)."""
+    """Runs `evaluate_fn(model, step=step)` (an EvalResult) every `every` steps on the main process and hands its
+    metrics to the trainer's metric buffer, so they are logged with that step (logs, report_to, jsonl)."""
 
-    def __init__(self, trainer: Any, every: int, evaluate_fn: Callable[[Any, int], dict[str, float]]) -> None:
+    def __init__(self, trainer: Any, every: int, evaluate_fn: Callable[..., Any]) -> None:
         self.trainer, self.every, self.evaluate_fn = trainer, every, evaluate_fn
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -93,6 +93,6 @@ class PeriodicEvalCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         if accelerator.is_main_process:
             model = accelerator.unwrap_model(self.trainer.model)
-            for key, value in self.evaluate_fn(model, state.global_step).items():
+            for key, value in self.evaluate_fn(model, step=state.global_step).flat_metrics("eval/").items():
                 self.trainer._metrics["train"][key].append(value)
         accelerator.wait_for_everyone()
