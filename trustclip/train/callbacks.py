@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,13 +64,11 @@ class ProgressCallback(TrainerCallback):
                                          and step != total):
             return
         self.last_printed = step
-        done = max(step - self.start_step, 1)
-        per_step = (time.perf_counter() - self.start) / done
+        per_step = (time.perf_counter() - self.start) / max(step - self.start_step, 1)
         parts = [f"[{self.stage}] step {step:>4}/{total}"]
         for label, keys in self.fields:
             if all(self.window.get(k) for k in keys):
-                means = [sum(self.window[k]) / len(self.window[k]) for k in keys]
-                parts.append(f"{label} " + "/".join(f"{m:.3f}" for m in means))
+                parts.append(f"{label} " + "/".join(f"{statistics.fmean(self.window[k]):.3f}" for k in keys))
         parts.append(f"{per_step:.2f} s/step, eta {_duration(per_step * (total - step))}")
         self.printer(" | ".join(parts))
         self.window.clear()

@@ -210,7 +210,7 @@ def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
 
 def _plots(run: Run) -> None:
     try:
-        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", title=run.config.rl.objective)
+        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", run.config.rl.objective)
         run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
     except ValueError as err:  # e.g. an rl stage that logged nothing
         run.print(f"[plots] skipped: {err}")
