@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -63,13 +64,11 @@ class ProgressCallback(TrainerCallback):
                                          and step != total):
             return
         self.last_printed = step
-        done = max(step - self.start_step, 1)
-        per_step = (time.perf_counter() - self.start) / done
+        per_step = (time.perf_counter() - self.start) / max(step - self.start_step, 1)
         parts = [f"[{self.stage}] step {step:>4}/{total}"]
         for label, keys in self.fields:
             if all(self.window.get(k) for k in keys):
-                means = [sum(self.window[k]) / len(self.window[k]) for k in keys]
-                parts.append(f"{label} " + "/".join(f"{m:.3f}" for m in means))
+                parts.append(f"{label} " + "/".join(f"{statistics.fmean(self.window[k]):.3f}" for k in keys))
         parts.append(f"{per_step:.2f} s/step, eta {_duration(per_step * (total - step))}")
         self.printer(" | ".join(parts))
         self.window.clear()
@@ -81,10 +80,10 @@ def _duration(seconds: float) -> str:
 
 
 class PeriodicEvalCallback(TrainerCallback):
-    """Runs `evaluate_fn(model, step) -> {name: value}` every `every` steps on the main process and hands the
-    values to the trainer's metric buffer, so they are logged with that step (logs, report_to, jsonl)."""
+    """Runs `evaluate_fn(model, step=step)` (an EvalResult) every `every` steps on the main process and hands its
+    metrics to the trainer's metric buffer, so they are logged with that step (logs, report_to, jsonl)."""
 
-    def __init__(self, trainer: Any, every: int, evaluate_fn: Callable[[Any, int], dict[str, float]]) -> None:
+    def __init__(self, trainer: Any, every: int, evaluate_fn: Callable[..., Any]) -> None:
         self.trainer, self.every, self.evaluate_fn = trainer, every, evaluate_fn
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -93,6 +92,6 @@ class PeriodicEvalCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         if accelerator.is_main_process:
             model = accelerator.unwrap_model(self.trainer.model)
-            for key, value in self.evaluate_fn(model, state.global_step).items():
+            for key, value in self.evaluate_fn(model, step=state.global_step).flat_metrics("eval/").items():
                 self.trainer._metrics["train"][key].append(value)
         accelerator.wait_for_everyone()

@@ -19,7 +19,7 @@ from huggingface_hub import is_offline_mode, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, load_prompts, parse_benchmark_spec, select_rows
+from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, parse_benchmark_spec, select_rows
 from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 from trustclip.files import read_json
 from trustclip.models import TINY_MODEL_NAME, TinyModelConfig, check_model_name, is_saved_model
@@ -140,7 +140,7 @@ def check_source(source: str, option: str) -> None:
 def check_benchmarks(specs: list[str], config: TrainConfig) -> None:
     """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2[&FIELD=...]), with distinct names.
     A filter is applied to the rows of a local file or a built-in split here, so that a value no row has fails now,
-    not after SFT."""
+    not after SFT (a hub dataset's rows are filtered when they are loaded)."""
     names: list[str] = []
     for spec in specs:
         try:
@@ -150,26 +150,13 @@ def check_benchmarks(specs: list[str], config: TrainConfig) -> None:
         for bench in benches:
             check_source(bench.source, f"data.eval ({spec})")
             names.append(bench.name)
-            if bench.filters:
-                _check_filter(bench, config)
+            if bench.filters and (bench.source.startswith(BUILTIN_PREFIX) or Path(bench.source).is_file()):
+                try:
+                    select_rows(load_rows(bench.source, config, split=config.data.eval_split), bench)
+                except ValueError as err:  # a DataFormatError too
+                    raise ValueError(f"data.eval: {err}") from None
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(f"data.eval: benchmark name(s) {twice} given twice")
-
-
-def _check_filter(bench: Any, config: TrainConfig) -> None:
-    """The rows a benchmark's filter keeps, from a local file or a built-in split; hub datasets are filtered when they
-    are loaded."""
-    path = Path(bench.source).expanduser()
-    try:
-        if bench.source.startswith(BUILTIN_PREFIX):
-            rows = load_rows(bench.source, config, split=config.data.eval_split)
-        elif path.is_file():
-            rows = load_prompts(path, problem_key=config.data.problem_key, answer_key=config.data.answer_key)
-        else:
-            return
-        select_rows(rows, bench)
-    except ValueError as err:  # a DataFormatError too
-        raise ValueError(f"data.eval: {err}") from None
 
 
 def check_trl_kwargs(config: TrainConfig) -> None:

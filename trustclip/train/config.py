@@ -126,9 +126,8 @@ def _check_optimizer(section: Any, name: str) -> None:
     check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
 
-# The embedded run's recipe for the library fields the sft and rl sections expose. Each of these fields is declared
-# once, by the library that reads it (type, help and default: TRL's SFTConfig; trustclip's TrustClipGRPOConfig, a
-# GRPOConfig): LIBRARY keeps the library's default, any other value is this recipe's own, tuned for the CPU run.
+# The embedded run's values of the library fields the sft and rl sections expose (declared by SFTConfig and
+# TrustClipGRPOConfig): LIBRARY keeps the library's default, any other value is this recipe's own (the CPU run's).
 LIBRARY: Any = ...
 # SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
 SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
@@ -279,12 +278,10 @@ class TrainConfig:
 
     @property
     def evaluates(self) -> bool:
-        """The run evaluates the held-out benchmarks (the eval stage, or RL with eval_every)."""
         return "eval" in self.stages or ("rl" in self.stages and self.rl.eval_every > 0)
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...], *, nullable: bool = False) -> None:
-    """Each option named is an integer >= 1 (`nullable`: or null)."""
     for name in names:
         value = getattr(obj, name)
         if not (nullable and value is None):
@@ -368,7 +365,6 @@ _YamlLoader.add_implicit_resolver(
 
 
 def yaml_load(text: str) -> Any:
-    """`text` as YAML (`_YamlLoader`); ValueError with the parser's message on one line if it is not."""
     try:
         return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:

@@ -87,30 +87,24 @@ def prepare_output_dir(run: Run) -> None:
     """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
     (and those of every stage downstream of them) are removed, and config.yaml records the settings. Nothing
     else in output_dir is touched."""
-    config, out = run.config, run.out
-    if not config.resume:
+    config, out, metrics = run.config, run.out, run.out / "metrics.jsonl"
+    if not config.resume:  # a resumed run keeps its results and the config.yaml it was started with
         stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
         if stale and run.main:
             print(f"note: {out} holds earlier results of {', '.join(stale)}; redoing them "
                   "(use --resume to continue an interrupted run instead)")
         for stage in stale:
             run.state.pop(stage)
-            if run.main:
-                _remove_stage_files(out, stage)
-    if run.main and not config.resume:  # a resumed run keeps the config.yaml it was started with
-        write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+            if run.main and stage in ("sft", "rl"):
+                shutil.rmtree(out / stage, ignore_errors=True)
+                if metrics.is_file():
+                    write_jsonl_atomic(metrics, [row for row in read_jsonl(metrics) if row.get("stage") != stage])
+            elif run.main:
+                (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
+        if run.main:
+            write_text_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     run.save_state()
     run.dist.wait_for_everyone()
-
-
-def _remove_stage_files(out: Path, stage: str) -> None:
-    if stage in ("sft", "rl"):
-        shutil.rmtree(out / stage, ignore_errors=True)
-        metrics = out / "metrics.jsonl"
-        if metrics.is_file():
-            write_jsonl_atomic(metrics, [row for row in read_jsonl(metrics) if row.get("stage") != stage])
-    else:
-        (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
 
 
 def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -147,8 +141,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         r = config.rl
         run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
                   f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
-        periodic = _periodic_eval(run, tokenizer, benchmarks) if benchmarks else None
-        trainer = run_rl(model, tokenizer, config, run.out, run.print, periodic, rows=rl_data)
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, benchmarks, rows=rl_data)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if run.main:
             trainer.save_model(str(rl_final))
@@ -182,25 +175,16 @@ def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
 
 
 def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict) -> None:
-    t = time.perf_counter()
+    t, k = time.perf_counter(), run.config.eval.k
     if run.main:
-        names = ", ".join(benchmarks)
-        run.print(f"[eval] {when}: {names} (Mean@{run.config.eval.k}, T={run.config.eval.temperature})")
+        run.print(f"[eval] {when}: {', '.join(benchmarks)} (Mean@{k}, T={run.config.eval.temperature})")
         result = evaluate(model, tokenizer, benchmarks, eval_config(run.config))
-        key = f"mean@{run.config.eval.k}"
-        stats = result.completion_stats.get(AVERAGE, {})
+        key, stats = f"mean@{k}", result.completion_stats.get(AVERAGE, {})
         run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
-                  + "".join(f", {k} {v:.3g}" for k, v in stats.items()) + f" ({time.perf_counter() - t:.0f}s)")
+                  + "".join(f", {stat} {v:.3g}" for stat, v in stats.items()) + f" ({time.perf_counter() - t:.0f}s)")
         write_json_atomic(run.out / "eval" / f"{when}.json", result.to_dict())
     run.dist.wait_for_everyone()
     run.finish(f"eval_{when}", time.perf_counter() - t)
-
-
-def _periodic_eval(run: Run, tokenizer: Any, benchmarks: dict) -> Callable[[Any, int], dict[str, float]]:
-    def evaluate_now(model: Any, step: int) -> dict[str, float]:
-        return evaluate(model, tokenizer, benchmarks, eval_config(run.config), step=step).flat_metrics("eval/")
-
-    return evaluate_now
 
 
 def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
@@ -226,7 +210,7 @@ def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
 
 def _plots(run: Run) -> None:
     try:
-        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", title=run.config.rl.objective)
+        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", run.config.rl.objective)
         run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
     except ValueError as err:  # e.g. an rl stage that logged nothing
         run.print(f"[plots] skipped: {err}")

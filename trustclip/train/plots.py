@@ -4,9 +4,7 @@ clip fractions against the optimizer step, read from `metrics.jsonl`, raw (faint
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -23,19 +21,14 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
 }
 
 
-def read_series(path: str | Path, stage: str = "rl") -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{metric: (steps, values)} of one stage's numeric metrics in a metrics.jsonl file."""
-    return series_from_rows(row for row in read_jsonl(path) if row.get("stage") == stage)
-
-
-def series_from_rows(rows: Iterable[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{metric: (steps, values)} of the numeric, finite metrics of logged rows, by step (a step logged twice,
-    e.g. by a resumed run, keeps its last value)."""
+def read_series(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{metric: (steps, values)} of the RL stage's numeric, finite metrics in a metrics.jsonl file, by step (a step
+    logged twice, e.g. by a resumed run, keeps its last value)."""
     series: dict[str, dict[int, float]] = {}
-    for row in rows:
+    for row in read_jsonl(path):
         for key, value in row.items():
-            if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-                    and key not in ("step", "time")):
+            if (row.get("stage") == "rl" and isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value) and key not in ("step", "time")):
                 series.setdefault(key, {})[int(row["step"])] = float(value)
     return {k: (np.array(sorted(v), dtype=int), np.array([v[s] for s in sorted(v)], dtype=float))
             for k, v in series.items()}
@@ -56,15 +49,15 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return (cumsum[idx] - cumsum[lo]) / (idx - lo)
 
 
-def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, *, title: str = "",
-                         window: int | None = None) -> list[Path]:
-    """Write one PNG per panel plus `training_curves.png` (all four) of the RL stage; returns the paths written."""
+def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, title: str) -> list[Path]:
+    """Write one PNG per panel plus `training_curves.png` (all four) of the RL stage, `title` (the objective) in
+    every title; returns the paths written."""
     from trustclip.figures import figure_context, new_figure, save_figure, style_axes
 
     series = read_series(metrics_path)
     if not series:
         raise ValueError(f"{metrics_path}: no RL metrics to plot")
-    window = window or default_window(max(len(s[0]) for s in series.values()))
+    window = default_window(max(len(s[0]) for s in series.values()))
     out_dir = Path(out_dir)
     written = []
     with figure_context():
@@ -73,10 +66,9 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, *, title
             fig, ax = new_figure(1, 1)
             for target in (ax[0, 0], ax_all):
                 _draw(target, series, curves, window)
-                style_axes(target, title=f"{panel_title} ({title})" if title else panel_title, xlabel="step")
+                style_axes(target, title=f"{panel_title} ({title})", xlabel="step")
             written.append(save_figure(fig, out_dir / f"{stem}.png"))
-        smoothing = f"moving average over {window} steps"
-        fig_all.suptitle(f"{title}: {smoothing}" if title else smoothing)
+        fig_all.suptitle(f"{title}: moving average over {window} steps")
         written.append(save_figure(fig_all, out_dir / "training_curves.png"))
     return written
 

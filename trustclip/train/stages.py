@@ -4,8 +4,8 @@ SFT for format (TRL `SFTTrainer`), RLVR (`TrustClipGRPOTrainer`), and held-out e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +15,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers.trainer_callback import PrinterCallback
 from transformers.trainer_callback import ProgressCallback as HFProgress
+from transformers.trainer_utils import sort_checkpoints
 from trl import SFTConfig
 
 from trustclip.data import build_prompt_rows, sft_examples
 from trustclip.evaluation.config import EvalConfig
+from trustclip.evaluation.evaluator import evaluate
 from trustclip.files import read_json
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
 from trustclip.precision import resolve_bf16
@@ -76,16 +78,13 @@ def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, out: Path, pri
 def last_checkpoint(folder: Path, printer: Printer = print) -> str | None:
     """The newest complete `checkpoint-N` in `folder` (None: there is none). A kill can leave the newest one half
     written (HF Trainer writes its files in place, trainer_state.json last): it is skipped, and said so."""
-    if not folder.is_dir():
-        return None
-    steps = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir()
-                   and (m := re.fullmatch(r"checkpoint-(\d+)", p.name)))
-    for _, path in reversed(steps):
-        problem = checkpoint_problem(path)
+    checkpoints = sort_checkpoints(str(folder))  # by step, as the Trainer's own rotation orders them
+    for path in reversed(checkpoints):
+        problem = checkpoint_problem(Path(path))
         if problem is None:
-            return str(path)
+            return path
         printer(f"note: skipping {path}: {problem} (a kill while it was being written)")
-    if steps:
+    if checkpoints:
         printer(f"note: no complete checkpoint in {folder}: this stage starts from its beginning")
     return None
 
@@ -198,8 +197,9 @@ def reward_function(config: TrainConfig) -> Any:
 
 
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-           periodic_eval: Callable[[Any, int], dict[str, float]] | None, rows: list[dict[str, Any]]) -> Any:
-    """RLVR with the configured objective; returns the trainer (its model is the trained policy)."""
+           benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]]) -> Any:
+    """RLVR with the configured objective, evaluating `benchmarks` every rl.eval_every steps; returns the trainer
+    (its model is the trained policy)."""
     from trustclip.trainers import TrustClipGRPOTrainer
 
     folder = out / "rl"
@@ -208,8 +208,9 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
         train_dataset=rl_dataset(config, tokenizer, rows), processing_class=tokenizer, peft_config=lora_config(config),
     )
     _quiet_trainer(trainer, "rl", config, out, printer)
-    if periodic_eval is not None and config.rl.eval_every:
-        trainer.add_callback(PeriodicEvalCallback(trainer, config.rl.eval_every, periodic_eval))
+    if benchmarks and config.rl.eval_every:
+        trainer.add_callback(PeriodicEvalCallback(trainer, config.rl.eval_every, functools.partial(
+            evaluate, tokenizer=tokenizer, benchmarks=benchmarks, config=eval_config(config))))
     checkpoint = last_checkpoint(folder, printer) if config.resume else None
     if checkpoint:
         printer(f"[rl] resuming from {checkpoint}")
