@@ -75,7 +75,11 @@ def test_missing_weights_wheel_names_the_install_command(monkeypatch):
 
     import trustclip.models as models
 
-    def not_installed(name):
+    installed = importlib.metadata.distribution
+
+    def not_installed(name):  # only the weights' package: trl, imported first here, must still find its own
+        if name != models.GGUF_MODELS[SMOLLM2_MODEL_NAME].distribution:
+            return installed(name)
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
@@ -91,7 +95,11 @@ def test_eval_command_rejects_a_model_that_cannot_load_before_any_work(monkeypat
     import trustclip.models as models
     from trustclip.cli import main
 
-    def not_installed(name):
+    installed = importlib.metadata.distribution
+
+    def not_installed(name):  # only the weights' package: trl, imported first here, must still find its own
+        if name != models.GGUF_MODELS[SMOLLM2_MODEL_NAME].distribution:
+            return installed(name)
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
