@@ -403,7 +403,7 @@ def format_table(rows: list[TheoryRow]) -> str:
 # ------------------------------------------------------------------------------------------------ figure
 def _draw_error_vs_eta(ax, rows: Sequence[Any]) -> None:
     """Max |Delta H exact - prediction| against eta (log-log) per event, with eta and eta^2 guides."""
-    for event in ("X-", "X+"):
+    for event in EVENTS:
         mine = [r for r in rows if r.event == event]
         etas = np.array([r.eta for r in mine])
         color = color_for(event)

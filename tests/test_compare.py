@@ -277,6 +277,19 @@ def test_a_compare_json_saved_with_the_removed_hparam_option(tmp_path, capsys):
     assert not (tmp_path / "used" / "runs").exists()
 
 
+def test_the_removed_hparam_flag_is_refused_with_its_new_spelling(tmp_path, capsys):
+    args = ["compare", "--objectives", "atr", "--hparam", "atr.delta=0.1", "--output-dir", str(tmp_path / "out")]
+    assert cli_main(args) == 2
+    assert '--hparam was removed' in (err := capsys.readouterr().err) and '--objectives "atr[delta=0.1]"' in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_removed_theory_command_names_the_script(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["theory"])
+    assert stop.value.code == 2 and "python benchmarks/theory_check.py" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--run-timeout", "-5"], "--run-timeout -5.0 is invalid: give a number of seconds > 0"),
     (["--run-timeout", "0"], "--run-timeout 0.0 is invalid"),

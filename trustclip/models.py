@@ -217,7 +217,8 @@ def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(cfg.max_position_embeddings)
-    special_ids = {f"{name}_id": getattr(tokenizer, f"{name}_id") for name in ("pad_token", "eos_token", "bos_token")}
+    special_ids = {f"{name}_id": getattr(tokenizer, f"{name}_id") for name in SPECIAL_TOKENS
+                   if name != "unk_token"}
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,

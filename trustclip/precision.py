@@ -100,12 +100,16 @@ class LowPrecisionCopy:
         return self.model
 
 
+def unwrap_peft(model: Any) -> Any:
+    """The model inside a PEFT wrapper (the model itself when it has none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def merged_parameters(model: Any) -> Iterator[tuple[str, Any]]:
     """`(name, tensor)` of `model`'s parameters as the plain model (no PEFT wrapper) would name them, each LoRA
     layer's weight with its active adapters' deltas added; the model itself is not changed (PEFT's own merge would
     round its base weights)."""
-    if hasattr(model, "get_base_model"):  # a PEFT wrapper: name the parameters of the model inside it
-        model = model.get_base_model()
+    model = unwrap_peft(model)  # named as the model inside a PEFT wrapper
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # no peft: no adapters

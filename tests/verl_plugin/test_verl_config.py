@@ -26,7 +26,6 @@ from trustclip import compute_advantages, compute_policy_loss, get_objective, li
 from trustclip.integrations import verl_plugin
 from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
 from trustclip.objectives import REGISTRY, RatioInterval
-from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 TARGET = "actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig"
@@ -166,30 +165,28 @@ def test_docs_advantage_setting_is_dr_grpo() -> None:
     torch.testing.assert_close(advantages[:, 0], compute_advantages(rewards, 8, "dr_grpo"))
 
 
-def expected_mapping_table() -> str:
-    """docs/verl.md's table as the registry defines it: loss mode, objective, default kwargs, notes."""
-    rows = ["| verl `loss_mode` | trustclip objective | default `objective_kwargs` | constraint / notes |",
-            "|---|---|---|---|"]
-    for loss_mode, name in verl_plugin.verl_loss_names().items():
-        spec = REGISTRY[name]
-        defaults = {k: p.default for k, p in spec.params.items() if k != "constraint"}
-        shown = ", ".join(f"{k}={json.dumps(v) if v is None or isinstance(v, bool) else v}"
-                          for k, v in defaults.items())
-        notes = spec.summary.replace("|", "\\|")
-        if name == "general":
-            shown = "constraint (required: a trustclip `Constraint`)"
-        elif spec.requires(defaults):
-            notes += f"; needs {', '.join(spec.requires(defaults))}, which verl does not pass: not usable in verl"
-        elif name in ADAPTIVE_OBJECTIVES:
-            notes += "; moves delta across updates, which verl's loss interface cannot host: not usable in verl"
-        rows.append(f"| `{loss_mode}` | `{name}` | {shown} | {notes} |")
-    return "\n".join(rows)
-
-
 def test_mapping_table_in_docs_is_current() -> None:
-    """Every loss mode, its objective, its defaults and notes, as the registry has them now."""
+    """Every loss mode with its objective, the registry's defaults and summary, and "not usable in verl" exactly where
+    the plugin refuses to build the objective."""
     table = re.search(r"<!-- mapping-table:start -->\n(.*?)\n<!-- mapping-table:end -->", DOCS.read_text(), re.S)
-    assert table and table.group(1) == expected_mapping_table()
+    assert table
+    rows = re.findall(r"^\| `(trustclip_\w+)` \| `(\w+)` \| (.*) \| (.*) \|$", table.group(1), re.M)
+    assert {mode: name for mode, name, _, _ in rows} == verl_plugin.verl_loss_names() and len(rows) > 20
+    registry = {o["name"]: o for o in list_objectives()}
+    for mode, name, shown, notes in rows:
+        assert notes.startswith(registry[name]["summary"].replace("|", "\\|")), mode
+        if name == "general":  # its constraint is an object: no default, refused without one
+            assert shown.startswith("constraint (required"), mode
+            continue
+        defaults = registry[name]["defaults"].items()  # as YAML writes them: null / true / false
+        assert shown == ", ".join(f"{k}={json.dumps(v) if v is None or isinstance(v, bool) else v}"
+                                  for k, v in defaults), mode
+        try:
+            verl_plugin.build_objective(mode)
+            refused = False
+        except ValueError:
+            refused = True
+        assert notes.endswith("not usable in verl") == refused, mode
 
 
 def test_mapping_covers_every_objective_and_alias() -> None:

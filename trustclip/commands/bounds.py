@@ -23,11 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from trustclip.objectives import get_objective, ratio_bounds
+    from trustclip.objectives.registry import resolve_name
 
     try:
         if args.plot:
             check_figure_path(args.plot)
-        params = get_objective(args.objective).spec.params
+        params = resolve_name(args.objective).params
         given = {k: v for k, v in {"delta": args.delta, "epsilon": args.epsilon}.items() if v is not None}
         unused = [k for k in given if k not in params]
         if unused:

@@ -22,7 +22,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved, run_compare
+from trustclip.compare import (
+    DEFAULT_SEEDS,
+    EXPERIMENT_KEYS,
+    SETTINGS_FILE,
+    CompareSettings,
+    hparam_spelling,
+    read_saved,
+    run_compare,
+)
 from trustclip.compare.plan import parse_objectives, parse_seeds
 
 
@@ -47,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--eval-every", type=int, metavar="STEPS", help="held-out evaluation every STEPS RL steps, for "
                       "the accuracy-vs-step figure and 'best' (default: the recipe's rl.eval_every, or max_steps // 5 "
                       "if that is 0; 0 = off)")
+    what.add_argument("--hparam", action="append", help=argparse.SUPPRESS)  # removed: refused with its new spelling
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
     where.add_argument("--runs-dir", type=Path, metavar="POOL", help="keep the runs in POOL/runs instead, a pool that "
@@ -78,6 +87,9 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     """The settings of parsed arguments (checked as CompareSettings checks them); without --objectives, the experiment
     saved in --output-dir is reused, with its last reference unless --reference is given."""
     out, reference = Path(args.output_dir), args.reference
+    if args.hparam:
+        raise ValueError(f"--hparam was removed: give an objective's hyper-parameters in brackets with --objectives "
+                         f"({hparam_spelling(args.hparam[0])})")
     given = {"--seeds": args.seeds, "--seed-list": args.seed_list, "--config": args.config, "--set": args.overrides,
              "--sweep": args.sweep, "--no-share-sft": args.share_sft, "--eval-every": args.eval_every,
              "--runs-dir": args.runs_dir}  # None when not given (given as 0 is given)
@@ -93,7 +105,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         experiment = {"objectives": parse_objectives(args.objectives),
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
-                      "share_sft": args.share_sft is None, "eval_every": args.eval_every,
+                      "share_sft": args.share_sft is not False, "eval_every": args.eval_every,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
     as_given = ("jobs", "threads_per_job", "redo_changed", "run_timeout", "dry_run", "report_only", "progress_every",
                 "pipeline", "smooth")

@@ -20,6 +20,7 @@ training order, every cell reads "final (best)".
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 import typing
@@ -110,13 +111,14 @@ def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[
     given = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
     if args.benchmark:
         given["data.eval"] = list(args.benchmark)
-    data = from_dict(TrainConfig, base).to_dict()
+    old = from_dict(TrainConfig, base).to_dict()
+    data = copy.deepcopy(old)
     for key, value in given.items():
         set_dotted(data, key, value)
     config = from_dict(TrainConfig, data)
-    old, now = from_dict(TrainConfig, base).to_dict(), config.to_dict()
+    now = config.to_dict()
     notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
-             if run is not None and get_dotted(now, key) != get_dotted(old, key)]
+             if get_dotted(now, key) != get_dotted(old, key)] if run is not None else []
     check_benchmarks(config.data.eval, config)
     check_backend(config.eval.backend)
     return config, notes

@@ -25,6 +25,12 @@ DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 
+def hparam_spelling(item: str) -> str:
+    """How a `--hparam` item (an option that was removed) is written now: `--objectives "atr[delta=0.1]"`."""
+    name, _, setting = str(item).partition(".")
+    return f'--hparam {item} is --objectives "{name}[{setting}]"'
+
+
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
     """The settings an earlier compare saved in `output_dir` (None when there are none). Those of a version that had
     `--hparam` are read when they used none; otherwise the error says how to write them now."""
@@ -32,10 +38,9 @@ def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(saved, dict):
         return None
     if hparams := saved.pop("hparams", None):
-        name, _, setting = str(hparams[0]).partition(".")
         raise ValueError(f"{path} was saved with --hparam {' '.join(map(str, hparams))}, an option that was removed: "
-                         f"give the objectives' hyper-parameters in brackets with --objectives (--hparam {hparams[0]} "
-                         f"is --objectives \"{name}[{setting}]\")")
+                         f"give the objectives' hyper-parameters in brackets with --objectives "
+                         f"({hparam_spelling(hparams[0])})")
     return saved
 
 

@@ -222,9 +222,9 @@ def _bad_json(path: Path, err: ValueError, line: int | None = None) -> DataForma
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     text = _decode(path.read_bytes(), path)
-    if not text.strip():
+    if not (stripped := text.lstrip()):
         return
-    if text.lstrip().startswith("["):
+    if stripped.startswith("["):
         yield from _iter_json_array(path, text)
         return
     try:

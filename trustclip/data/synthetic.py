@@ -125,11 +125,12 @@ def _check_levels(split: str, levels: Sequence[int | ArithmeticLevel]) -> None:
 
 def make_synthetic_splits(seed: int = 0, n_train: int = 2000, n_eval: int = 64, *,
                           train_levels: Sequence[int | ArithmeticLevel] = DEFAULT_TRAIN_LEVELS,
-                          eval_splits: Mapping[str, Sequence[int | ArithmeticLevel]] = DEFAULT_EVAL_SPLITS,
+                          eval_splits: Mapping[str, Sequence[int | ArithmeticLevel]] | None = None,
                           ) -> dict[str, list[dict]]:
     """`{"train": rows, **{held-out split: rows}}`, deterministic from `seed`; rows as `make_problem`'s, with an `id`.
     Held-out splits are drawn first and `train` excludes their problems, so no eval problem is ever trained on.
     Levels are keys of `LEVELS` or custom `ArithmeticLevel`s (e.g. `ArithmeticLevel(2, "+", lo=0, hi=20)`)."""
+    eval_splits = DEFAULT_EVAL_SPLITS if eval_splits is None else eval_splits
     _check_levels("train", train_levels)
     for name, lvs in eval_splits.items():
         _check_levels(name, lvs)

@@ -71,7 +71,8 @@ def _check_controller(hp: Mapping[str, Any]) -> None:
     bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
     check_all=_check_controller,
 )
-def atr_adaptive(batch: PolicyBatch, *, delta: float, **controller_settings: Any) -> TokenLoss:
+def atr_adaptive(batch: PolicyBatch, *, delta: float, target: str, target_value: float, delta_min: float,
+                 delta_max: float, tolerance: float, factor: float) -> TokenLoss:
     """At the current delta, ATR-GRPO (`kl3`): J = min(w A, clip(w, l_delta, u_delta) A), [l, u] the Lambert-W
     region of w - 1 - log w <= delta (arXiv 2602.05494, Theorem 4.2); `DeltaController` reads the other settings."""
     return clipped_surrogate(batch, kl_constraint("kl3", delta))

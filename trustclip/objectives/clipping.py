@@ -71,8 +71,7 @@ def unconstrained(batch: PolicyBatch) -> TokenLoss:
     """J = w A, phi = w on every token, nothing clipped: the control a trust region is shown to matter against
     (on-policy, w = 1, every ratio objective here equals it exactly)."""
     w, adv = batch.ratio, batch.advantages
-    none = torch.zeros_like(w, dtype=torch.bool)
-    return TokenLoss(loss=-w * adv, clipped_low=none, clipped_high=none)
+    return TokenLoss.unclipped(-w * adv)
 
 
 # --------------------------------------------------------------------------- ratio clipping

@@ -80,5 +80,4 @@ def kl_cov(batch: PolicyBatch, *, kl_cov_ratio: float, ppo_kl_coef: float) -> To
     top = flat_valid[top_idx[top_cov > 0]]
     penalised = torch.zeros(w.numel(), dtype=torch.bool, device=w.device).index_fill_(0, top, True).view_as(w)
     loss = torch.where(penalised, loss + ppo_kl_coef * batch.log_ratio.abs(), loss)
-    none = torch.zeros_like(penalised)
-    return TokenLoss(loss, clipped_low=none, clipped_high=none, stats={"cov_selected_frac": penalised})
+    return TokenLoss.unclipped(loss, cov_selected_frac=penalised)

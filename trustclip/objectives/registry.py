@@ -33,6 +33,12 @@ class TokenLoss:
         """Clipped tokens: those outside the region on the side A favours (below it with A < 0, above it with A > 0)."""
         return cls(loss, clipped_low=below & (adv < 0), clipped_high=above & (adv > 0), stats=stats)
 
+    @classmethod
+    def unclipped(cls, loss: torch.Tensor, **stats: torch.Tensor) -> TokenLoss:
+        """An objective that holds no token: both masks all False."""
+        none = torch.zeros_like(loss, dtype=torch.bool)
+        return cls(loss, clipped_low=none, clipped_high=none, stats=stats)
+
 
 @dataclass(frozen=True)
 class Param:

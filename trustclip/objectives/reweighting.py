@@ -34,9 +34,7 @@ def sapo(batch: PolicyBatch, *, tau_pos: float, tau_neg: float) -> TokenLoss:
     w, adv = batch.ratio, batch.advantages
     tau = torch.where(adv > 0, torch.full_like(w, tau_pos), torch.full_like(w, tau_neg))
     s = torch.sigmoid(tau * (w - 1))
-    none = torch.zeros_like(w, dtype=torch.bool)
-    return TokenLoss(-(s * 4 / tau) * adv, clipped_low=none, clipped_high=none,
-                     stats={"gate_weight_mean": 4 * s.detach() * (1 - s.detach())})
+    return TokenLoss.unclipped(-(s * 4 / tau) * adv, gate_weight_mean=4 * s.detach() * (1 - s.detach()))
 
 
 @register_objective(

@@ -215,15 +215,17 @@ class MathVerifier:
     def _replace(self, worker: _Worker | None, closes: int) -> _Worker:
         if worker is not None:
             worker.kill()
-        if closes == self._closes:
-            new = _Worker(self.memory_mb, self.startup_timeout)
-            if closes == self._closes:
-                if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
-                    self._workers.remove(worker)
-                self._workers.append(new)
-                return new
+        closed = RuntimeError("the math-verify workers were closed during the call")
+        if closes != self._closes:
+            raise closed
+        new = _Worker(self.memory_mb, self.startup_timeout)
+        if closes != self._closes:
             new.kill()  # close() ran while it started (seconds): it must not outlive the pool
-        raise RuntimeError("the math-verify workers were closed during the call")
+            raise closed
+        if worker in self._workers:  # remove and append, not a new list: other threads replace theirs meanwhile
+            self._workers.remove(worker)
+        self._workers.append(new)
+        return new
 
     def close(self) -> None:
         """Kill the worker processes (new ones start on the next call)."""

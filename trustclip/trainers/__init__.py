@@ -7,6 +7,7 @@ import importlib
 from typing import Any
 
 _LAZY = {"TrustClipGRPOTrainer": "trl_trainer", "TrustClipGRPOConfig": "trl_config", "on_policy_warning": "trl_config"}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ import torch
 
 from trustclip.objectives.full_kl import CHUNK_ELEMENTS, Head, full_vocab_logprobs
 from trustclip.objectives.topk_kl import TopKLogProbs
+from trustclip.precision import unwrap_peft
 
 # Keys of what the generation batch keeps of pi_old per completion token (split per micro-batch like every (B, ...)
 # tensor), per `full_kl_storage`.
@@ -35,7 +36,7 @@ def row_slices(inputs: dict[str, Any], size: int) -> list[dict[str, Any]]:
 def causal_lm(model: Any, unwrap: Any) -> Any:
     """The transformers model inside the accelerate / PEFT wrappers (PEFT injects its adapters in place)."""
     inner = unwrap(model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return unwrap_peft(inner)
 
 
 def completion_hidden_states(model: Any, lm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -90,12 +91,14 @@ class FullVocabForward:
         lm = causal_lm(model, self.unwrap)
         completion = inputs["completion_ids"]
         hidden = completion_hidden_states(model, lm, *prompt_and_completion(inputs), completion.size(1), self.autocast)
-        topk, given = self.keys == TOPK_KEYS, {}
-        if keep and topk:
-            given = {"keep_topk": self.topk}
-        elif old is not None and topk:  # KL_k from pi_old's top-k log-probs and tail mass
+        topk = self.keys == TOPK_KEYS
+        if keep:  # this policy is pi_old: nothing to compare it with
+            given = {"keep_topk": self.topk} if topk else {}
+        elif old is None:
+            given = {}
+        elif topk:  # KL_k from pi_old's top-k log-probs and tail mass
             given = {"old_topk": TopKLogProbs(*(old[key] for key in TOPK_KEYS))}
-        elif old is not None:  # pi_old's logits from its final hidden states, through its LM head: the exact KL
+        else:  # pi_old's logits from its final hidden states, through its LM head: the exact KL
             given = {"old_hidden": old[HIDDEN_KEYS[0]], "old_head": head_operand(self.old_heads[mode])}
         out = full_vocab_logprobs(hidden, head_operand(lm.get_output_embeddings()), completion,
                                   temperature=self.temperature, chunk_elements=chunk_elements, **given)

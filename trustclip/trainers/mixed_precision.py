@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from trustclip.precision import LowPrecisionCopy
+from trustclip.precision import LowPrecisionCopy, unwrap_peft
 
 
 def float32_lm_head(trainer: Any) -> None:
@@ -19,7 +19,7 @@ def float32_lm_head(trainer: Any) -> None:
     the head module, which fails for a PEFT model with tied embeddings (grpo_trainer.py:1043), so the fused head is
     added again here, around TRL's (whose unfused forward, used by `generate`, it calls unchanged)."""
     model = trainer.model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     add_fused_lm_head(base, temperature=trainer.args.temperature, cast_lm_head_to_fp32=True,
                       outputs=("log_probs", "entropy"))
 

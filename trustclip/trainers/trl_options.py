@@ -60,6 +60,8 @@ def spelled(options: dict[str, Any]) -> str:
 def translate(options: dict[str, Any]) -> TrlLoss:
     """The trustclip settings that TRL's loss computes with `options` (the OPTIONS the user gave; the others at TRL's
     defaults). Raises ValueError naming the option when no trustclip setting computes it."""
+    if unknown := sorted(set(options) - set(OPTIONS)):
+        raise ValueError(f"not TRL loss options: {unknown}")
     out = TrlLoss()
     if "scale_rewards" in options:
         value = options["scale_rewards"]

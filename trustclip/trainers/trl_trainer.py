@@ -14,8 +14,10 @@ clipping objective is the plain policy gradient, and the trainer warns loudly at
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import operator
 import warnings
 from typing import Any
 
@@ -277,7 +279,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             ))
         if self.args.use_vllm and self.args.vllm_importance_sampling_correction:
             gates.append(inputs["importance_sampling_ratio"])
-        weights = math.prod(gate.to(logps.dtype).expand_as(logps) for gate in gates) if gates else None
+        # no start value: one gate is used as it is, not multiplied by 1 into a new tensor
+        gates = [gate.to(logps.dtype).expand_as(logps) for gate in gates]
+        weights = functools.reduce(operator.mul, gates) if gates else None
         return weights, entropy_mask
 
     def _reference_kl(self, inputs: dict[str, Any], logps: torch.Tensor, batch: PolicyBatch) -> torch.Tensor:
