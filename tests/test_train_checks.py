@@ -545,3 +545,14 @@ def test_command_line_values_are_read_as_yaml_once():
     assert parse_override("rl.learning_rate=1e-5") == ("rl.learning_rate", 1e-5)
     with pytest.raises(ValueError, match=r"--set 'rl.x=\[': value '\[' is not valid YAML"):
         parse_override("rl.x=[")
+
+
+def test_periodic_eval_callback_with_every_0_never_evaluates():
+    from types import SimpleNamespace
+
+    from trustclip.train.callbacks import PeriodicEvalCallback
+
+    calls = []
+    callback = PeriodicEvalCallback(trainer=None, every=0, evaluate_fn=lambda *a, **k: calls.append(k))
+    callback.on_step_end(None, SimpleNamespace(global_step=4), None)
+    assert calls == []

@@ -87,7 +87,7 @@ class PeriodicEvalCallback(TrainerCallback):
         self.trainer, self.every, self.evaluate_fn = trainer, every, evaluate_fn
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step % self.every:
+        if not self.every or state.global_step % self.every:  # every=0: never (as rl.eval_every=0)
             return
         accelerator = self.trainer.accelerator
         if accelerator.is_main_process:
