@@ -221,19 +221,21 @@ def _bad_json(path: Path, err: ValueError, line: int | None = None) -> DataForma
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
+    """One JSON value (an array of records, an object holding one list of records such as `{"data": [...]}`, or one
+    record), or JSON Lines saved with a .json suffix: several values."""
     text = _decode(path.read_bytes(), path)
-    if not (stripped := text.lstrip()):
-        return
-    if stripped.startswith("["):
-        yield from _iter_json_array(path, text)
+    if not text.strip():
         return
     try:
         obj = json.loads(text)
     except ValueError as err:
-        if getattr(err, "msg", None) == "Extra data":  # JSON Lines saved with a .json suffix
+        if getattr(err, "msg", None) == "Extra data":  # a valid first value, then more: JSON Lines
             yield from _iter_jsonl(path)
             return
         raise _bad_json(path, err) from None
+    if isinstance(obj, list):
+        yield from ((f"{path}:{line}", rec) for line, rec in zip(_element_lines(text), obj, strict=True))
+        return
     if not isinstance(obj, dict):
         raise DataFormatError(f"{path}:1: expected a JSON array or object, got {type(obj).__name__}")
     lists = [obj["data"]] if isinstance(obj.get("data"), list) else [v for v in obj.values() if isinstance(v, list)]
@@ -243,25 +245,14 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:1", obj  # a single record
 
 
-def _iter_json_array(path: Path, text: str) -> Iterator[tuple[str, Any]]:
-    # Decode element by element so each record keeps the line it starts on.
-    decoder = json.JSONDecoder()
-    pos = _JSON_SPACE.match(text, text.index("[") + 1).end()
-    while pos < len(text) and text[pos] != "]":
-        line = text.count("\n", 0, pos) + 1
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except ValueError as err:  # a decode error knows its own line; a value error is the record's
-            raise _bad_json(path, err, None if isinstance(err, json.JSONDecodeError) else line) from None
-        yield f"{path}:{line}", obj
-        pos = _JSON_SPACE.match(text, pos).end()
-        if text.startswith(",", pos):
-            pos = _JSON_SPACE.match(text, pos + 1).end()
-        elif not text.startswith("]", pos):
-            line = text.count("\n", 0, pos) + 1
-            raise DataFormatError(f"{path}:{line}: invalid JSON (expected ',' or ']' between records)")
-    if pos >= len(text):
-        raise DataFormatError(f"{path}:{text.count(chr(10)) + 1}: invalid JSON (unterminated array)")
+def _element_lines(text: str) -> Iterator[int]:
+    """The line each element of the valid JSON array `text` starts on, so that a bad record is named by its line."""
+    decoder, pos, line, counted = json.JSONDecoder(), text.index("[") + 1, 1, 0
+    while (pos := _JSON_SPACE.match(text, pos).end()) < len(text) and text[pos] != "]":
+        line += text.count("\n", counted, pos)  # counted on from the last element: linear in the file's size
+        counted = pos
+        yield line
+        pos = _JSON_SPACE.match(text, decoder.raw_decode(text, pos)[1]).end() + 1  # past the "," (or the "]")
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any]]:
