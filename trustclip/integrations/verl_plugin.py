@@ -70,14 +70,6 @@ def verl_loss_names() -> dict[str, str]:
     return dict(sorted(names.items()))
 
 
-def objective_for_loss_mode(loss_mode: str) -> str:
-    """trustclip objective of a `trustclip_*` loss mode; ValueError naming the valid modes otherwise."""
-    names = verl_loss_names()
-    if loss_mode not in names:
-        raise ValueError(f"{loss_mode!r} is not a trustclip loss mode; valid: {', '.join(names)}")
-    return names[loss_mode]
-
-
 def _get(config: Any, key: str, default: Any = None) -> Any:
     """`config.key` for verl dataclass configs, OmegaConf DictConfigs and plain dicts alike (None: `default`)."""
     if isinstance(config, Mapping):
@@ -106,9 +98,11 @@ def normalize_kwargs(value: Any) -> dict[str, Any]:
 def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
     """The trustclip objective of a verl loss mode with `objective_kwargs` over trustclip's defaults; ValueError when
     verl's policy-loss interface cannot feed it."""
-    name = objective_for_loss_mode(loss_mode)
+    names = verl_loss_names()
+    if loss_mode not in names:
+        raise ValueError(f"{loss_mode!r} is not a trustclip loss mode; valid: {', '.join(names)}")
     try:
-        objective = get_objective(name, **normalize_kwargs(objective_kwargs))
+        objective = get_objective(names[loss_mode], **normalize_kwargs(objective_kwargs))
     except ValueError as err:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.objective_kwargs for {loss_mode}: {err}") from None
     if objective.requires:
@@ -144,7 +138,7 @@ def _warn_once(message: str) -> None:
         _log.warning(message)
 
 
-def check_settings(loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]:
+def check_settings(objective: Objective, loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]:
     """Warnings about verl settings a trustclip loss ignores or that change its meaning (empty if none)."""
     notes = []
     policy_loss = _get(config, "policy_loss")
@@ -155,7 +149,7 @@ def check_settings(loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]
             f"{loss_mode} ignores actor.{', actor.'.join(ignored)} (verl's own knobs); trustclip hyper-parameters "
             "come only from actor_rollout_ref.actor.policy_loss.objective_kwargs"
         )
-    if objective_for_loss_mode(loss_mode) in SEQUENCE_LEVEL and loss_agg_mode != "seq-mean-token-mean":
+    if objective.name in SEQUENCE_LEVEL and loss_agg_mode != "seq-mean-token-mean":
         notes.append(
             f"{loss_mode} aggregates with actor.loss_agg_mode={loss_agg_mode} as configured; its paper (and verl's "
             "own sapo, which forces it) uses seq-mean-token-mean"
@@ -193,7 +187,7 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
                            rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss of the trustclip objective behind `loss_mode` (see the module docstring)."""
     objective = objective_from_config(loss_mode, config)
-    for note in check_settings(loss_mode, loss_agg_mode, config):
+    for note in check_settings(objective, loss_mode, loss_agg_mode, config):
         _warn_once(note)
     from verl.trainer.ppo.core_algos import agg_loss  # (importing this module checked that verl is installed)
 
