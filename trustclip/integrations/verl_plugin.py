@@ -119,19 +119,6 @@ def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
     return objective
 
 
-def objective_from_config(loss_mode: str, config: Any) -> Objective:
-    """Objective of `loss_mode` with the hyper-parameters of `config.policy_loss.objective_kwargs`."""
-    kwargs = _get(_get(config, "policy_loss"), "objective_kwargs")
-    if kwargs is None and config is not None:
-        _warn_once(
-            f"{loss_mode}: actor.policy_loss is not a TrustclipPolicyLossConfig, so trustclip's default "
-            f"hyper-parameters are used. Set actor_rollout_ref.actor.policy_loss._target_="
-            "trustclip.integrations.verl_config.TrustclipPolicyLossConfig and "
-            "+actor_rollout_ref.actor.policy_loss.objective_kwargs={...} to choose them."
-        )
-    return build_objective(loss_mode, kwargs)
-
-
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
@@ -139,9 +126,17 @@ def _warn_once(message: str) -> None:
 
 
 def check_settings(objective: Objective, loss_mode: str, loss_agg_mode: str, config: Any) -> list[str]:
-    """Warnings about verl settings a trustclip loss ignores or that change its meaning (empty if none)."""
+    """Warnings (empty if none) about verl settings: trustclip's defaults used for want of objective_kwargs, verl knobs
+    a trustclip loss ignores, and settings that change its meaning."""
     notes = []
     policy_loss = _get(config, "policy_loss")
+    if config is not None and _get(policy_loss, "objective_kwargs") is None:
+        notes.append(
+            f"{loss_mode}: actor.policy_loss is not a TrustclipPolicyLossConfig, so trustclip's default "
+            f"hyper-parameters are used. Set actor_rollout_ref.actor.policy_loss._target_="
+            "trustclip.integrations.verl_config.TrustclipPolicyLossConfig and "
+            "+actor_rollout_ref.actor.policy_loss.objective_kwargs={...} to choose them."
+        )
     ignored = [k for k, v in VERL_KNOBS.items() if _get(config, k, v) != v]
     ignored += [f"policy_loss.{k}" for k, v in VERL_POLICY_LOSS_KNOBS.items() if _get(policy_loss, k, v) != v]
     if ignored:
@@ -186,7 +181,7 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
                            response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                            rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss of the trustclip objective behind `loss_mode` (see the module docstring)."""
-    objective = objective_from_config(loss_mode, config)
+    objective = build_objective(loss_mode, _get(_get(config, "policy_loss"), "objective_kwargs"))
     for note in check_settings(objective, loss_mode, loss_agg_mode, config):
         _warn_once(note)
     from verl.trainer.ppo.core_algos import agg_loss  # (importing this module checked that verl is installed)
@@ -208,8 +203,11 @@ def register_verl_losses() -> list[str]:
     Idempotent, and callable again after `trustclip.register_objective` to add new objectives. Raises
     VerlPluginError rather than overwrite a loss of the same name that is not trustclip's.
     """
+    import verl
     from verl.trainer.ppo import core_algos
 
+    if (version := getattr(verl, "__version__", "unknown")) != TESTED_VERL_VERSION:
+        _warn_once(f"trustclip's verl plugin was tested with verl {TESTED_VERL_VERSION}; this is verl {version}")
     registry = core_algos.POLICY_LOSS_REGISTRY
     names = verl_loss_names()
     for loss_mode, objective in names.items():
@@ -225,23 +223,13 @@ def register_verl_losses() -> list[str]:
     return list(names)
 
 
-def _register_loudly() -> None:
-    """Register at import; log any failure at ERROR first, since verl hides plugin errors at DEBUG."""
-    if not verl_installed():
-        raise ImportError(NO_VERL)
-    try:
-        import verl
-
-        version = getattr(verl, "__version__", "unknown")
-        if version != TESTED_VERL_VERSION:
-            _warn_once(f"trustclip's verl plugin was tested with verl {TESTED_VERL_VERSION}; this is verl {version}")
-        register_verl_losses()
-    except Exception as err:
-        _log.error(_FAILED, "registering the losses", type(err).__name__, err, exc_info=True)
-        raise
-
-
-_register_loudly()
+if not verl_installed():
+    raise ImportError(NO_VERL)
+try:  # registered at import; verl logs plugin errors only at DEBUG: make them visible first
+    register_verl_losses()
+except Exception as _err:
+    _log.error(_FAILED, "registering the losses", type(_err).__name__, _err, exc_info=True)
+    raise
 
 
 def main() -> int:
