@@ -92,8 +92,7 @@ DIVERGENCES: dict[str, tuple[str, Callable, Callable]] = {
 
 
 def divergence_regions(delta: float = 0.07, kl1_two_sided: bool = False) -> dict[str, tuple[float, float]]:
-    """{name: (l, u)} with {w : D(w) <= delta} = [l, u] for every divergence in DIVERGENCES."""
-    delta = bounds.check_delta(delta)
+    """{name: (l, u)} with {w : D(w) <= delta} = [l, u] for every divergence in DIVERGENCES (each checks delta)."""
     return {name: region(delta, kl1_two_sided) if name == "kl1" else region(delta)
             for name, (_, _, region) in DIVERGENCES.items()}
 
