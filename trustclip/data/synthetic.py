@@ -91,27 +91,26 @@ def make_problem(level: int | ArithmeticLevel, rng: random.Random) -> dict[str, 
     }
 
 
-def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, exclude: set[str]) -> list[dict]:
+def _draw_split(name: str, n: int, levels: Sequence[int | ArithmeticLevel], seed: int, taken: set[str]) -> list[dict]:
+    """`n` rows whose problems are not in `taken` (the splits drawn before), added to it as they are drawn."""
     # A string seed gives an independent, reproducible stream per split (hash-seed independent).
     rng = random.Random(f"trustclip-synthetic-{seed}-{name}")
     rows: list[dict] = []
-    seen = set(exclude)
     active, misses = list(levels), 0
     while len(rows) < n and active:
         level = active[len(rows) % len(active)]  # round robin keeps the level mix exact ...
         row = make_problem(level, rng)
-        if row["problem"] in seen:
+        if row["problem"] in taken:
             misses += 1
             if misses == 1000:  # ... until a level runs out of new problems: the others fill in
                 active, misses = [lv for lv in active if lv != level], 0
             continue
         misses = 0
-        seen.add(row["problem"])
+        taken.add(row["problem"])
         rows.append({"id": f"{name}-{len(rows)}", **row})
     if len(rows) < n:
         raise ValueError(f"could only draw {len(rows)} distinct problems for split {name!r} (asked {n}, levels "
                          f"{tuple(levels)}); lower n or add harder levels")
-    exclude |= seen
     return rows
 
 
