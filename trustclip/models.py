@@ -114,17 +114,18 @@ def build_tiny_model(path: str | os.PathLike | None = None, *, cache_dir: str | 
     cfg = TinyModelConfig(**shape)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
-    return _build_atomically(Path(path), lambda out: _save_tiny(cfg, out))
+    return _build_atomically(Path(path), lambda: _tiny_model(cfg))
 
 
-def _build_atomically(path: Path, save: Callable[[Path], None]) -> Path:
-    """`save(tmp)` into a temp dir beside `path`, then rename it to `path` (reused when already complete), so
-    concurrent processes never see a half-written checkpoint."""
+def _build_atomically(path: Path, build: Callable[[], tuple[Any, Any]]) -> Path:
+    """Save the model and tokenizer `build()` returns into a temp dir beside `path`, then rename it to `path` (reused
+    when already complete), so concurrent processes never see a half-written checkpoint."""
     if _is_complete_checkpoint(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{path.name}-", dir=path.parent, ignore_cleanup_errors=True) as tmp:
-        save(Path(tmp))
+        for part in build():  # the model, then its tokenizer
+            part.save_pretrained(tmp)
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race and wrote an equivalent build
@@ -175,7 +176,7 @@ def build_gguf_model(name: str = SMOLLM2_MODEL_NAME) -> Path:
     `save_pretrained`, so a plain model is rebuilt from its config (without the quantisation entry) and
     state dict, and saved with the GGUF file's tokenizer (chat template included)."""
     check_model_name(name)
-    return _build_atomically(gguf_cache_path(name), lambda out: _convert_gguf(locate_gguf(name), out))
+    return _build_atomically(gguf_cache_path(name), lambda: _convert_gguf(locate_gguf(name)))
 
 
 def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
@@ -188,7 +189,7 @@ def gguf_cache_path(name: str = SMOLLM2_MODEL_NAME) -> Path:
     return default_cache_dir() / f"{spec.cache_name}-{key}"
 
 
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
+def _convert_gguf(gguf_path: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -202,11 +203,10 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     model.load_state_dict(quantised.state_dict(), strict=True)
     model.generation_config = quantised.generation_config
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF tokenizer has no limit of its own
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    return model, tokenizer
 
 
-def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
+def _tiny_model(cfg: TinyModelConfig) -> tuple[Any, Any]:
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -224,8 +224,7 @@ def _save_tiny(cfg: TinyModelConfig, out: Path) -> None:
         torch.manual_seed(cfg.seed)
         model = Qwen3ForCausalLM(config)
     model.generation_config = GenerationConfig(**special_ids)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    return model, tokenizer
 
 
 def _is_complete_checkpoint(path: Path) -> bool:
