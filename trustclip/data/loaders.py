@@ -12,9 +12,6 @@ Field names are configurable (`problem_key`, `answer_key`, `id_key`). Two hub la
   annotations `<<...>>` removed) ending in `\\boxed{N}`: an SFT target in the format the reward requires.
 Every record is validated while loading, so a malformed file fails with `DataFormatError` naming the file and line
 before any training starts.
-
-Benchmark specs (`load_benchmark_specs`) may keep only some rows with a `?field=v1,v2` suffix, e.g.
-`math500_l12=math500.jsonl?level=1,2` (MATH-500 levels 1-2; `parse_benchmark_spec`, `select_rows`).
 """
 
 from __future__ import annotations
@@ -53,11 +50,8 @@ class DataFormatError(ValueError):
 def load_prompts(source: str | os.PathLike, *, split: str = "train", subset: str | None = None,
                  problem_key: str = "problem", answer_key: str = "answer", id_key: str = "id", limit: int | None = None,
                  seed: int = 0) -> list[dict[str, Any]]:
-    """Load and validate prompt rows from a local file, `builtin:<split>`, or a hub dataset id.
-
-    Returns rows `{"id": str, "problem": str, "answer": str, **scalar extra fields}`. `split` and
-    `subset` apply to hub datasets; `seed` to the builtin synthetic task; `limit` keeps the first rows.
-    """
+    """Validated rows `{"id": str, "problem": str, "answer": str, **scalar extra fields}` from a local file,
+    `builtin:<split>` (`seed`) or a hub dataset id (`split`, `subset`); `limit` keeps the first rows."""
     keys = (problem_key, answer_key, id_key)
     source_str = str(source)
     if source_str.startswith(BUILTIN_PREFIX):
@@ -83,8 +77,8 @@ class BenchmarkSpec:
 
 def parse_benchmark_spec(spec: str) -> list[BenchmarkSpec]:
     """`NAME=SOURCE`, a bare `SOURCE` (named after the file stem) or `builtin` (every held-out synthetic split), each
-    optionally followed by `?FIELD=V1,V2[&FIELD2=...]` to keep some rows. Raises ValueError on a malformed spec;
-    loads nothing."""
+    optionally followed by `?FIELD=V1,V2[&FIELD2=...]` to keep some rows (`select_rows`; e.g. MATH-500's levels 1-2:
+    `math500_l12=math500.jsonl?level=1,2`). Raises ValueError on a malformed spec; loads nothing."""
     body, _, query = spec.partition("?")
     filters = _parse_filters(spec, query) if query else ()
     if body == "builtin":

@@ -140,12 +140,8 @@ def make_synthetic_splits(seed: int = 0, n_train: int = 2000, n_eval: int = 64, 
 
 def sft_examples(rows: Sequence[dict], tokenizer=None, style: str = "auto",
                  system_prompt: str | None = None) -> list[dict[str, str]]:
-    """Prompt/completion pairs for the SFT-for-format stage (TRL `SFTTrainer` prompt-completion format).
-
-    The prompt is built with `trustclip.data.templates.format_prompt` (the same path RL and eval use);
-    the completion is the worked solution. No eos is appended: TRL's SFTTrainer adds it, a hand-written
-    loop should append `tokenizer.eos_token` itself.
-    """
+    """Prompt/completion pairs (TRL's format) for the SFT-for-format stage: the prompt as RL and eval build it
+    (`format_prompt`), and the worked solution without eos (TRL's SFTTrainer appends it; a hand-written loop must)."""
     for i, row in enumerate(rows):  # every row is checked before any prompt is built
         if "solution" not in row:
             raise ValueError(f"row {i} (id {row.get('id')!r}) has no 'solution' field")

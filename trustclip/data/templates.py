@@ -59,10 +59,8 @@ def format_prompt(problem: str, tokenizer: Any = None, style: str = "auto", syst
 
 def build_prompt_rows(rows: Sequence[dict], tokenizer: Any = None, style: str = "auto", *, conversational: bool = False,
                       system_prompt: str | None = None, **chat_kwargs: Any) -> list[dict[str, Any]]:
-    """Rows for a TRL GRPO dataset: `{"prompt", "answer", "id"}` (other columns are kept).
-
-    With `conversational=True` the prompt is a message list and TRL applies the chat template itself.
-    """
+    """Rows for a TRL GRPO dataset: `{"prompt", "answer", "id"}` (other columns are kept). With `conversational=True`
+    the prompt is a message list and TRL applies the chat template itself."""
     if conversational:
         return [{**r, "prompt": prompt_messages(r["problem"], style, tokenizer, system_prompt)} for r in rows]
     return [{**r, "prompt": format_prompt(r["problem"], tokenizer, style, system_prompt, **chat_kwargs)} for r in rows]

@@ -18,6 +18,7 @@ import functools
 import importlib.util
 import json
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -198,11 +199,9 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
 
 
 def register_verl_losses() -> list[str]:
-    """Register every trustclip objective (and alias) in verl's registry; returns the names registered.
-
-    Idempotent, and callable again after `trustclip.register_objective` to add new objectives. Raises
-    VerlPluginError rather than overwrite a loss of the same name that is not trustclip's.
-    """
+    """Register every trustclip objective (and alias) in verl's registry, warning once on an untested verl version;
+    returns the names. Idempotent: call it again after `trustclip.register_objective` to add new objectives. Raises
+    VerlPluginError rather than overwrite a loss of the same name that is not trustclip's."""
     import verl
     from verl.trainer.ppo import core_algos
 
@@ -234,8 +233,6 @@ except Exception as _err:
 
 def main() -> int:
     """Print how many trustclip losses verl has, and whether `import verl` loaded this plugin (its entry point)."""
-    import sys
-
     from verl.trainer.ppo import core_algos
 
     names = verl_loss_names()

@@ -17,10 +17,8 @@ _LATEX_FRAC_RE = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{(\d+)\}|
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` (braces matched), or None if there is none.
-
-    `\\boxed 5` (no braces) gives `5`. An unclosed last box is skipped in favour of an earlier one.
-    """
+    """Content of the last `\\boxed{...}` / `\\fbox{...}` (braces matched; `\\boxed 5` gives `5`), or None if there is
+    none. An unclosed last box is skipped in favour of an earlier one."""
     for match in reversed(list(_BOX_RE.finditer(text))):
         start = match.end()
         if start < len(text) and text[start] == "{":
