@@ -312,7 +312,7 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     if error["type"] == "value_error":
         return message  # our own __post_init__ checks name the key already
     if error["type"] == "unexpected_keyword_argument":
-        section = _field_hint(".".join(loc[:-1]), cls)
+        section = field_hint(".".join(loc[:-1]), cls)
         valid = ", ".join(".".join([*loc[:-1], f.name]) for f in dataclasses.fields(section))
         return f"unknown option {name}; valid: {valid}"
     if error["type"] in ("dataclass_type", "dataclass_args_type"):
@@ -320,7 +320,7 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     return f"{name}={error['input']!r} is invalid: {message[0].lower()}{message[1:]}"
 
 
-def _field_hint(key: str, root: type | None = None) -> Any:
+def field_hint(key: str, root: type | None = None) -> Any:
     """Type hint of the dotted option `key` of `root` (TrainConfig; "": root itself; None for an unknown key or one
     inside a mapping value)."""
     cls: Any = root or TrainConfig
@@ -337,7 +337,7 @@ def _field_hint(key: str, root: type | None = None) -> Any:
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """data["rl"]["learning_rate"] = value for key "rl.learning_rate" (creating sections as needed). A string given
     to a list option is split at commas (`--set stages=rl,eval`)."""
-    if isinstance(value, str) and typing.get_origin(_field_hint(key)) is list:
+    if isinstance(value, str) and typing.get_origin(field_hint(key)) is list:
         value = [v.strip() for v in value.split(",") if v.strip()]
     *parents, leaf = key.split(".")
     node = data
