@@ -68,8 +68,6 @@ def check_output_dir(config: TrainConfig) -> None:
     if not config.resume:
         return
     saved = out / "config.yaml"
-    if not saved.is_file():
-        raise FileNotFoundError(f"resume: {out} holds no run to resume ({saved} is missing)")
     data = read_run_config(saved, "resume")
     state = out / "state.json"
     if state.is_file() and not isinstance(read_json(state), dict):

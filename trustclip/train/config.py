@@ -478,20 +478,19 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
     (`check_run` then refuses a stated value that differs from the run's: a resumed run continues the run it
     resumes)."""
     out = Path(explicit.get("output_dir") or TrainConfig.output_dir)
-    saved_path = out / "config.yaml"
     if not out.is_dir():
         raise FileNotFoundError(f"--resume: {out} does not exist: there is no run to resume (drop --resume to start "
                                 "one, or give the run's --output-dir)")
-    if not saved_path.is_file():
-        raise FileNotFoundError(f"--resume: {out} holds no trustclip run ({saved_path.name} is missing)")
-    saved = read_run_config(saved_path, "--resume")
+    saved = read_run_config(out / "config.yaml", "--resume")
     # quiet is this command's choice, not the run's; `--set rl.objective_kwargs.delta=...` touches one value
     return from_dict(TrainConfig, deep_merge({**saved, "quiet": False}, {**explicit, "resume": True}, replaced=()))
 
 
 def read_run_config(path: Path, what: str) -> dict[str, Any]:
-    """A run's saved settings (its config.yaml) as a dict, checked: a file that is not YAML, not a mapping, or holds
-    settings this version rejects is a ValueError naming the file (`what`: the command or option reading it)."""
+    """A run's saved settings (its config.yaml) as a dict, checked: a missing file, or one that is not YAML, not a
+    mapping, or holds settings this version rejects, is an error naming the file (`what`: the option reading it)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {path.parent} holds no trustclip run ({path.name} is missing)")
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
