@@ -115,7 +115,7 @@ def build_config(args: argparse.Namespace, run: Path | None) -> tuple[TrainConfi
     now = config.to_dict()
     notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
              if get_dotted(now, key) != get_dotted(old, key)] if run is not None else []
-    check_benchmarks(config.data.eval, config)
+    check_benchmarks(config)
     check_backend(config.eval.backend)
     return config, notes
 

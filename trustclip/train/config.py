@@ -126,8 +126,7 @@ def _check_optimizer(section: Any, name: str) -> None:
     check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
 
-# The embedded run's values of the library fields the sft and rl sections expose (declared by SFTConfig and
-# TrustClipGRPOConfig): LIBRARY keeps the library's default, any other value is this recipe's own (the CPU run's).
+# In SFT_RECIPE / RL_RECIPE, LIBRARY keeps the library's default; any other value is the embedded CPU run's own.
 LIBRARY: Any = ...
 # SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
 SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
