@@ -20,15 +20,23 @@ training order, every cell reads "final (best)".
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 import typing
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
 
 from trustclip.evaluation.config import EvalArgs
+from trustclip.evaluation.evaluator import evaluate_checkpoints
+from trustclip.evaluation.generation import check_backend
+from trustclip.evaluation.report import format_table, write_report
+from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
+from trustclip.rewards import default_verifier
+from trustclip.train import TrainConfig, option_table
+from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
+from trustclip.train.config import deep_merge, explicit_settings, field_hint, from_dict, get_dotted, read_run_config
+from trustclip.train.data import load_benchmarks
+from trustclip.train.stages import eval_config, model_dtype
 
 # The options of `trustclip train` that flags here set; those declarations give each flag its type, default and help.
 OPTIONS = [*(f"eval.{f.name}" for f in fields(EvalArgs)), "data.seed", "data.prompt_style", "data.problem_key",
@@ -37,8 +45,6 @@ FLAGS = {"data.seed": "--data-seed", "data.eval_limit": "--limit"}  # any other 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from trustclip.train.config import _field_hint, option_table
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     example, _, details = __doc__.split("Example::", 1)[1].partition("\n\nA model")
     parser.description = "A model" + details
@@ -54,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="benchmark as NAME=FILE (.jsonl/.json/.parquet or a hub id), a bare FILE, or 'builtin' "
                              "(data.eval; default: the run's, else ['builtin'])")
     for key in OPTIONS:
-        flag, hint = FLAGS.get(key, "--" + key.rpartition(".")[2].replace("_", "-")), _field_hint(key)
+        flag, hint = FLAGS.get(key, "--" + key.rpartition(".")[2].replace("_", "-")), field_hint(key)
         kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)  # `int | None`: int
         how = ({"action": argparse.BooleanOptionalAction} if kind is bool
                else {"type": kind, "metavar": flag.lstrip("-").upper().replace("-", "_")})
@@ -74,9 +80,6 @@ def find_run(path: str | Path) -> Path | None:
 
 def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
     """(the run whose settings apply, the models to evaluate, checked)."""
-    from trustclip.models import is_saved_model
-    from trustclip.train.checks import check_model
-
     models = list(args.model or [])
     if args.run is not None:
         run = args.run
@@ -100,35 +103,24 @@ def resolve_run(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
     return run, models
 
 
-def build_config(args: argparse.Namespace, run: Path | None) -> tuple[Any, list[str]]:
+def build_config(args: argparse.Namespace, run: Path | None) -> tuple[TrainConfig, list[str]]:
     """The run's TrainConfig (or the declared defaults) with the flags given here on top, checked, and notes on what
     differs from the run."""
-    from trustclip.evaluation.generation import check_backend
-    from trustclip.train.checks import check_benchmarks
-    from trustclip.train.config import TrainConfig, from_dict, get_dotted, read_run_config, set_dotted
-
     base = read_run_config(run / "config.yaml", "--run") if run is not None else {}
     given = {key: getattr(args, key) for key in OPTIONS if getattr(args, key) is not None}
     if args.benchmark:
         given["data.eval"] = list(args.benchmark)
     old = from_dict(TrainConfig, base).to_dict()
-    data = copy.deepcopy(old)
-    for key, value in given.items():
-        set_dotted(data, key, value)
-    config = from_dict(TrainConfig, data)
+    config = from_dict(TrainConfig, deep_merge(old, explicit_settings(**given)))
     now = config.to_dict()
     notes = [f"{key}={value!r} instead of the run's {get_dotted(old, key)!r}" for key, value in given.items()
              if get_dotted(now, key) != get_dotted(old, key)] if run is not None else []
-    check_benchmarks(config.data.eval, config)
+    check_benchmarks(config)
     check_backend(config.eval.backend)
     return config, notes
 
 
 def run(args: argparse.Namespace) -> int:
-    from trustclip.train.checks import check_device, check_writable_dir
-    from trustclip.train.data import load_benchmarks
-    from trustclip.train.stages import eval_config
-
     try:  # everything is checked before a model is loaded
         run_dir, models = resolve_run(args)
         config, notes = build_config(args, run_dir)
@@ -140,11 +132,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
-    from trustclip.evaluation.evaluator import evaluate_checkpoints
-    from trustclip.evaluation.report import format_table, write_report
-    from trustclip.rewards import default_verifier
-    from trustclip.train.stages import model_dtype
-
     if run_dir is not None:
         print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
@@ -164,10 +151,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_path(name: str, config: Any) -> str:
+def _model_path(name: str, config: TrainConfig) -> str:
     """builtin:tiny at the shape `trustclip train` gives it (model.tiny: the run's, else the default); any other model
     as named."""
-    from trustclip.models import TINY_MODEL_NAME, build_tiny_model
-
     return str(build_tiny_model(**config.model.tiny)) if name == TINY_MODEL_NAME else name
 

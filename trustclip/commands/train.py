@@ -6,10 +6,13 @@ import argparse
 import sys
 import textwrap
 
+import yaml
+
+from trustclip.train import TrainConfig, check_run, option_table, run_pipeline
+from trustclip.train.config import STAGES, explicit_settings, from_dict, resume_config
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from trustclip.train.config import option_table
-
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = textwrap.dedent("""\
         SFT for format -> evaluation before -> RLVR with a trustclip objective -> evaluation after, then plots
@@ -44,16 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "options for --set KEY=VALUE (and recipe files):\n" + "\n".join(lines)
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's TrainConfig: from the command line, or with --resume from the run's config.yaml plus what the
     command line states (which must agree with it)."""
-    from trustclip.train.config import STAGES, TrainConfig, explicit_settings, from_dict, resume_config
-
     stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
     if args.skip:
         skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-        unknown = skip - set(STAGES)
-        if unknown:
+        if unknown := skip - set(STAGES):
             raise ValueError(f"--skip {args.skip!r}: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGES)}")
         stages = [s for s in (stages or STAGES) if s not in skip]
     report_to = [s.strip() for s in args.report_to.split(",")] if args.report_to else None
@@ -65,8 +65,6 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from trustclip.train.checks import check_run
-
     try:
         config = build_config(args)
         check_run(config)
@@ -74,12 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
-
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    from trustclip.train.pipeline import run_pipeline
-
     try:
         run_pipeline(config)
     except (ValueError, OSError) as err:  # OSError: FileNotFoundError too

@@ -10,9 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trustclip.data.templates import format_prompt
 from trustclip.evaluation.config import EvalConfig
 from trustclip.evaluation.generation import Sample, check_backend, generate_hf, generate_vllm, vllm_available
 from trustclip.evaluation.metrics import AVERAGE, benchmark_metrics, metric_curves
+from trustclip.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name
+from trustclip.precision import LowPrecisionCopy
+from trustclip.rewards import score_completions
 
 
 @dataclass
@@ -48,9 +52,6 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     """Evaluate an in-memory model on `{name: rows}` (rows have `problem` and `answer`). Callable from a trainer for
     periodic eval: the model's train/eval mode, the tokenizer's padding side and the global torch RNG state are
     restored afterwards. `generate_fn(prompts) -> list[list[str | Sample]]` replaces HF generation (vLLM, a server)."""
-    from trustclip.data.templates import format_prompt
-    from trustclip.rewards import score_completions
-
     config = config or EvalConfig()
     if not benchmarks:
         raise ValueError("no benchmarks to evaluate")
@@ -59,8 +60,6 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     sampler = model
     if config.bf16 and generate_fn is None:  # one merged bfloat16 copy to sample from, for every benchmark
         import torch
-
-        from trustclip.precision import LowPrecisionCopy
 
         sampler = LowPrecisionCopy(model, torch.bfloat16).model
     for name, rows in benchmarks.items():
@@ -121,8 +120,6 @@ def evaluate_checkpoints(models: Sequence[str], benchmarks: dict[str, Sequence[d
                          dtype: Any = None) -> list[EvalResult]:
     """Evaluate checkpoints (paths or hub ids) in order; the last one is the run's "final" model. vLLM samples when
     it is installed, a GPU is present and `config.backend` allows it; else each model is loaded for HF `generate`."""
-    from trustclip.models import load_model_and_tokenizer, load_tokenizer, resolve_model_name
-
     config = config or EvalConfig()
     use_vllm = config.backend == "vllm" or (config.backend == "auto" and vllm_available())
     check_backend(config.backend)

@@ -96,7 +96,6 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
 
 
 def vllm_available() -> bool:
-    """True when vLLM is installed and a CUDA GPU is present."""
     import torch
 
     return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()

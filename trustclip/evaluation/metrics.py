@@ -44,16 +44,13 @@ def mean_at_k(n: int, c: int, k: int) -> float:
 
 
 def benchmark_metrics(correct: Sequence[Sequence[float | bool]], ks: Iterable[int]) -> dict[str, float]:
-    """Mean@k and Pass@k (as fractions in [0, 1]) averaged over problems, for each k in `ks`.
-
-    `correct[i][j]` is the 0/1 score of sample j of problem i. Returns `{"mean@k": ..., "pass@k": ...}`.
-    """
+    """`{"mean@k": ..., "pass@k": ...}` (fractions in [0, 1]) averaged over problems, for each k in `ks`;
+    `correct[i][j]` is the 0/1 score of sample j of problem i."""
     counts = []  # (n, c) per problem
     for i, row in enumerate(correct):
         if len(row) == 0:
             raise ValueError(f"problem {i} has no samples")
-        bad = [x for x in row if float(x) not in (0.0, 1.0)]
-        if bad:
+        if bad := [x for x in row if float(x) not in (0.0, 1.0)]:
             raise ValueError(f"problem {i}: scores must be 0/1 (or bools), got {bad[0]!r}")
         counts.append((len(row), int(sum(float(x) for x in row))))
     if not counts:

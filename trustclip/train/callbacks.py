@@ -69,14 +69,10 @@ class ProgressCallback(TrainerCallback):
         for label, keys in self.fields:
             if all(self.window.get(k) for k in keys):
                 parts.append(f"{label} " + "/".join(f"{statistics.fmean(self.window[k]):.3f}" for k in keys))
-        parts.append(f"{per_step:.2f} s/step, eta {_duration(per_step * (total - step))}")
+        eta = round(per_step * (total - step))
+        parts.append(f"{per_step:.2f} s/step, eta " + (f"{eta // 60}m{eta % 60:02d}s" if eta >= 60 else f"{eta}s"))
         self.printer(" | ".join(parts))
         self.window.clear()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 class PeriodicEvalCallback(TrainerCallback):

@@ -43,7 +43,7 @@ def check_run(config: TrainConfig) -> None:
     if "rl" in stages:
         check_source(config.data.train, "data.train")
     if config.evaluates:
-        check_benchmarks(config.data.eval, config)
+        check_benchmarks(config)
         if config.eval.backend == "vllm":  # `trustclip eval` honours it; train evaluates the model in memory
             raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; "
                              "set eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval "
@@ -68,8 +68,6 @@ def check_output_dir(config: TrainConfig) -> None:
     if not config.resume:
         return
     saved = out / "config.yaml"
-    if not saved.is_file():
-        raise FileNotFoundError(f"resume: {out} holds no run to resume ({saved} is missing)")
     data = read_run_config(saved, "resume")
     state = out / "state.json"
     if state.is_file() and not isinstance(read_json(state), dict):
@@ -137,12 +135,12 @@ def check_source(source: str, option: str) -> None:
     _check_hub_id(source, option, "dataset")
 
 
-def check_benchmarks(specs: list[str], config: TrainConfig) -> None:
+def check_benchmarks(config: TrainConfig) -> None:
     """`data.eval`: `builtin`, NAME=SOURCE or SOURCE (each optionally ?FIELD=V1,V2[&FIELD=...]), with distinct names.
     A filter is applied to the rows of a local file or a built-in split here, so that a value no row has fails now,
     not after SFT (a hub dataset's rows are filtered when they are loaded)."""
     names: list[str] = []
-    for spec in specs:
+    for spec in config.data.eval:
         try:
             benches = parse_benchmark_spec(spec)
         except ValueError as err:

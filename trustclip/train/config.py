@@ -126,8 +126,7 @@ def _check_optimizer(section: Any, name: str) -> None:
     check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
 
-# The embedded run's values of the library fields the sft and rl sections expose (declared by SFTConfig and
-# TrustClipGRPOConfig): LIBRARY keeps the library's default, any other value is this recipe's own (the CPU run's).
+# In SFT_RECIPE / RL_RECIPE, LIBRARY keeps the library's default; any other value is the embedded CPU run's own.
 LIBRARY: Any = ...
 # SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
 SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
@@ -312,7 +311,7 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     if error["type"] == "value_error":
         return message  # our own __post_init__ checks name the key already
     if error["type"] == "unexpected_keyword_argument":
-        section = _field_hint(".".join(loc[:-1]), cls)
+        section = field_hint(".".join(loc[:-1]), cls)
         valid = ", ".join(".".join([*loc[:-1], f.name]) for f in dataclasses.fields(section))
         return f"unknown option {name}; valid: {valid}"
     if error["type"] in ("dataclass_type", "dataclass_args_type"):
@@ -320,7 +319,7 @@ def _describe(error: dict[str, Any], cls: type) -> str:
     return f"{name}={error['input']!r} is invalid: {message[0].lower()}{message[1:]}"
 
 
-def _field_hint(key: str, root: type | None = None) -> Any:
+def field_hint(key: str, root: type | None = None) -> Any:
     """Type hint of the dotted option `key` of `root` (TrainConfig; "": root itself; None for an unknown key or one
     inside a mapping value)."""
     cls: Any = root or TrainConfig
@@ -337,7 +336,7 @@ def _field_hint(key: str, root: type | None = None) -> Any:
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     """data["rl"]["learning_rate"] = value for key "rl.learning_rate" (creating sections as needed). A string given
     to a list option is split at commas (`--set stages=rl,eval`)."""
-    if isinstance(value, str) and typing.get_origin(_field_hint(key)) is list:
+    if isinstance(value, str) and typing.get_origin(field_hint(key)) is list:
         value = [v.strip() for v in value.split(",") if v.strip()]
     *parents, leaf = key.split(".")
     node = data
@@ -478,20 +477,19 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
     (`check_run` then refuses a stated value that differs from the run's: a resumed run continues the run it
     resumes)."""
     out = Path(explicit.get("output_dir") or TrainConfig.output_dir)
-    saved_path = out / "config.yaml"
     if not out.is_dir():
         raise FileNotFoundError(f"--resume: {out} does not exist: there is no run to resume (drop --resume to start "
                                 "one, or give the run's --output-dir)")
-    if not saved_path.is_file():
-        raise FileNotFoundError(f"--resume: {out} holds no trustclip run ({saved_path.name} is missing)")
-    saved = read_run_config(saved_path, "--resume")
+    saved = read_run_config(out / "config.yaml", "--resume")
     # quiet is this command's choice, not the run's; `--set rl.objective_kwargs.delta=...` touches one value
     return from_dict(TrainConfig, deep_merge({**saved, "quiet": False}, {**explicit, "resume": True}, replaced=()))
 
 
 def read_run_config(path: Path, what: str) -> dict[str, Any]:
-    """A run's saved settings (its config.yaml) as a dict, checked: a file that is not YAML, not a mapping, or holds
-    settings this version rejects is a ValueError naming the file (`what`: the command or option reading it)."""
+    """A run's saved settings (its config.yaml) as a dict, checked: a missing file, or one that is not YAML, not a
+    mapping, or holds settings this version rejects, is an error naming the file (`what`: the option reading it)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what}: {path.parent} holds no trustclip run ({path.name} is missing)")
     try:
         data = yaml_load(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:

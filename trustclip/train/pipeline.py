@@ -130,7 +130,13 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         t = time.perf_counter()
         run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
         model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data)
-        _save(run, model, tokenizer, sft_final)
+        if run.main:
+            model.save_pretrained(str(sft_final))
+            tokenizer.save_pretrained(str(sft_final))
+        # The saved folder is now the model's origin: a LoRA adapter trained on it (RL) records it as its base model,
+        # not the checkpoint SFT started from (peft reads `name_or_path`).
+        model.name_or_path = str(sft_final.resolve())
+        run.dist.wait_for_everyone()
         run.finish("sft", time.perf_counter() - t, model=str(sft_final))
 
     if "eval" in stages and not run.done("eval_before"):
@@ -157,21 +163,15 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     summary = _summary(run, time.perf_counter() - t_start - sum(run.ran.values()))
     if run.main:
         if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
-            _plots(run)
+            try:
+                paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", config.rl.objective)
+                run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
+            except ValueError as err:  # e.g. an rl stage that logged nothing
+                run.print(f"[plots] skipped: {err}")
         write_json_atomic(run.out / "summary.json", summary)
         print_table(summary, run.say)  # also with quiet: the final table is what quiet keeps
     run.dist.wait_for_everyone()
     return summary
-
-
-def _save(run: Run, model: Any, tokenizer: Any, folder: Path) -> None:
-    if run.main:
-        model.save_pretrained(str(folder))
-        tokenizer.save_pretrained(str(folder))
-    # The saved folder is now the model's origin: a LoRA adapter trained on it (RL) records it as its base model,
-    # not the checkpoint SFT started from (peft reads `name_or_path`).
-    model.name_or_path = str(folder.resolve())
-    run.dist.wait_for_everyone()
 
 
 def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict) -> None:
@@ -206,14 +206,6 @@ def _summary(run: Run, other_seconds: float) -> dict[str, Any]:
         summary["final_model"] = run.state["rl"].get("model")
     summary["output_dir"] = str(run.out)
     return summary
-
-
-def _plots(run: Run) -> None:
-    try:
-        paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", run.config.rl.objective)
-        run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
-    except ValueError as err:  # e.g. an rl stage that logged nothing
-        run.print(f"[plots] skipped: {err}")
 
 
 def print_table(summary: dict[str, Any], printer: Callable[[str], None] = print) -> None:

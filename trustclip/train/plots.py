@@ -52,7 +52,7 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
 def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, title: str) -> list[Path]:
     """Write one PNG per panel plus `training_curves.png` (all four) of the RL stage, `title` (the objective) in
     every title; returns the paths written."""
-    from trustclip.figures import figure_context, new_figure, save_figure, style_axes
+    from trustclip.figures import color_for, figure_context, new_figure, save_figure, style_axes
 
     series = read_series(metrics_path)
     if not series:
@@ -65,21 +65,12 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, title: s
         for ax_all, (stem, (panel_title, curves)) in zip(axes.flat, PANELS.items(), strict=True):
             fig, ax = new_figure(1, 1)
             for target in (ax[0, 0], ax_all):
-                _draw(target, series, curves, window)
+                for metric, label in (curve for curve in curves if curve[0] in series):
+                    steps, values = series[metric]
+                    target.plot(steps, values, color=color_for(metric), alpha=0.25, linewidth=0.8)
+                    target.plot(steps, smooth(values, window), color=color_for(metric), linewidth=1.8, label=label)
                 style_axes(target, title=f"{panel_title} ({title})", xlabel="step")
             written.append(save_figure(fig, out_dir / f"{stem}.png"))
         fig_all.suptitle(f"{title}: moving average over {window} steps")
         written.append(save_figure(fig_all, out_dir / "training_curves.png"))
     return written
-
-
-def _draw(ax, series: dict, curves: list[tuple[str, str]], window: int) -> None:
-    from trustclip.figures import color_for
-
-    for metric, label in curves:
-        if metric not in series:
-            continue
-        steps, values = series[metric]
-        color = color_for(metric)
-        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-        ax.plot(steps, smooth(values, window), color=color, linewidth=1.8, label=label)

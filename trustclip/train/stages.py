@@ -169,8 +169,7 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
 
 # ------------------------------------------------------------------ RL
 def grpo_config(config: TrainConfig, folder: Path) -> Any:
-    """TRL's GRPOConfig (with the objective) of the RL stage: every `rl` field GRPOConfig also has, by name, plus
-    `rl.trl_kwargs`. Its checks (and TRL's, e.g. batch / G divisibility) run here."""
+    """TRL's GRPOConfig (with the objective) of the RL stage, plus `rl.trl_kwargs`; its checks (and TRL's) run here."""
     return TrustClipGRPOConfig(**_trainer_args(config, folder, config.rl, TrustClipGRPOConfig), **config.rl.trl_kwargs)
 
 
