@@ -23,7 +23,7 @@ from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
 from trustclip.compare.plan import parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import ChangedRunError, execute
-from trustclip.compare.stats import stat
+from trustclip.evaluation.paired_stats import stat
 from trustclip.files import read_jsonl, write_json_atomic
 from trustclip.train.config import load_config
 
@@ -527,7 +527,7 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
     """Five seeds of clip, atr and a clip variant: the paired table, results.json and results.csv carry the intervals
     computed from the runs' own numbers."""
-    from trustclip.compare.stats import paired_difference
+    from trustclip.evaluation.paired_stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
     finish_in_process(settings, monkeypatch)

@@ -1,4 +1,4 @@
-"""The statistics of `trustclip compare` (trustclip/compare/stats.py): coverage of the paired interval on
+"""The statistics of `trustclip compare` (trustclip/evaluation/paired_stats.py): coverage of the paired interval on
 synthetic seed results with a known effect, no call on a zero effect, seeds needed against textbook values.
 ~15 s (1,400 bootstraps)."""
 
@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as sps
 
 from trustclip.compare.report import difference_sentence
-from trustclip.compare.stats import (
+from trustclip.evaluation.paired_stats import (
     bootstrap_t_interval,
     log_scale,
     paired_difference,

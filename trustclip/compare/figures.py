@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from trustclip.compare.results import SERIES, Group, metric_title, title_of
-from trustclip.compare.stats import Stat, log_scale
+from trustclip.evaluation.paired_stats import Stat, log_scale
 from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window, smooth
 
@@ -152,7 +152,7 @@ def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: 
 def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
     """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): the swept groups
     with ± std error bars, the groups without the parameter as horizontal lines with a ± std band; a log x axis as
-    `stats.log_scale` says."""
+    `paired_stats.log_scale` says."""
     swept, references = [g for g in groups if g.sweep_key is not None], [g for g in groups if g.sweep_key is None]
     key, xs, labels = swept[0].sweep_key, [g.sweep_value for g in swept], list(dict.fromkeys(g.label for g in swept))
     with figure_context():

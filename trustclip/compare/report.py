@@ -31,7 +31,16 @@ from trustclip.compare.results import (
     tidy,
     title_of,
 )
-from trustclip.compare.stats import LEVEL, MAX_SEEDS, RESAMPLES, Difference, Stat, paired_difference, stat, sweep_trend
+from trustclip.evaluation.paired_stats import (
+    LEVEL,
+    MAX_SEEDS,
+    RESAMPLES,
+    Difference,
+    Stat,
+    paired_difference,
+    stat,
+    sweep_trend,
+)
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 
 CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",

@@ -17,8 +17,8 @@ import numpy as np
 
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Difference, Stat, paired_difference, stat
 from trustclip.evaluation.metrics import AVERAGE
+from trustclip.evaluation.paired_stats import Difference, Stat, paired_difference, stat
 from trustclip.files import read_json
 from trustclip.train.plots import read_series
 

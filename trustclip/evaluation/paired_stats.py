@@ -1,6 +1,6 @@
-"""Statistics of a comparison over seeds, as numbers (`report` words them): a group against the reference, paired by
-seed, with a studentised-bootstrap interval of the mean difference; a sweep through the per-seed slope. Why these and
-their measured coverage: docs/compare-statistics.md.
+"""Statistics of a comparison over seeds (numpy and scipy only): a group against a reference, paired by seed, with a
+studentised-bootstrap interval of the mean difference; a sweep through the per-seed slope. `trustclip compare` words
+them (`compare/report.py`); why these and their measured coverage: docs/compare-statistics.md.
 """
 
 from __future__ import annotations
