@@ -16,6 +16,7 @@ from trustclip.evaluation.paired_stats import (
     log_scale,
     paired_difference,
     seeds_needed,
+    stat,
     sweep_trend,
 )
 
@@ -147,6 +148,10 @@ def test_interval_edge_cases_and_sentences():
     assert flat.low < 0 < flat.high and flat.verdict == "not resolved"
     assert (f"the interval includes 0: no difference resolved at n = 6; about {flat.seeds_needed} seeds would be "
             "needed to resolve a difference this size.") in difference_sentence(flat, "Mean@8")
+
+
+def test_stat_of_seeds_drops_non_finite_values():  # moved from the removed rank-sentence test of test_compare.py
+    assert math.isnan(stat([1.0]).std) and stat([1.0, float("nan"), 3.0]).n == 2
 
 
 def test_seeds_needed_matches_textbook_power():

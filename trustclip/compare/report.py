@@ -96,47 +96,6 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
     return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
 
-def rank_sentence(name: str, groups: Sequence[Group]) -> str:
-    """Which group has the highest mean of the primary outcome, and which others its paired intervals resolve it
-    from."""
-    means = {g.group: g.stat(PRIMARY.key) for g in groups}
-    ranked = sorted((g for g in groups if means[g.group].n), key=lambda g: means[g.group].mean, reverse=True)
-    if len(ranked) < 2:
-        return f"{name}: fewer than two groups with finished runs, no ordering."
-    top, best = ranked[0], means[ranked[0].group]
-    tied = [g.group for g in ranked if means[g.group].mean == best.mean]
-    value = fmt_pm(best) + PRIMARY.unit
-    if len(tied) > 1:
-        who = ", ".join(f"**{g}**" for g in tied)
-        return f"{name}: {who} share the highest mean ({value}); no ordering among them."
-    verdicts = {g.group: paired_difference(top.values[PRIMARY.key], g.values[PRIMARY.key], group=top.group,
-                                           ref=g.group, outcome=PRIMARY.key).verdict for g in ranked[1:]}
-    above, open_ = ([g for g, v in verdicts.items() if (v == "higher") == want] for want in (True, False))
-    text = f"{name}: **{top.group}** has the highest mean ({value}, n = {best.n})"
-    if not open_:
-        return text + f"; its paired {LEVEL:.0%} interval against every other group lies above 0."
-    if not above:
-        return text + f", but no paired {LEVEL:.0%} interval against the others ({', '.join(open_)}) excludes 0: " \
-                      "the data do not order them."
-    return text + f"; its paired {LEVEL:.0%} intervals lie above 0 against {', '.join(above)}, not against " \
-                  f"{', '.join(open_)}."
-
-
-def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome) -> str:
-    """The sweep's trend (`stats.sweep_trend`): the per-seed slope of an outcome and its interval."""
-    key = members[0].sweep_key
-    d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
-    text = (f"Trend of {label} over {key} (least-squares slope of {o.label.format(k=k)} on "
-            f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
-    if d.n < 2:
-        return text + f"{d.n} complete seed(s), no interval."
-    text += (f"{fmt_amount(d.mean, o)} {f'per tenfold {key}' if log else f'per unit of {key}'} "
-             f"{fmt_interval(d, o, f'{LEVEL:.0%} CI ')}, n = {d.n} (per seed: "
-             + ", ".join(fmt(v, o.scale, o.digits, "+") for v in d.differences) + ")")
-    verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
-    return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
-
-
 def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
     """The Findings: sentences generated from the paired intervals."""
@@ -153,7 +112,6 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
             f"({d.verdict})" for d in resolved) + ".")
     elif diffs:
         out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
-    out.append(rank_sentence(f"{primary} of the final policy", groups))
     # how RL moved each run: final policy - its own RL start, paired within the run (completions where recorded)
     changes = [(f"final/{avg}/{metrics[0]}", f"before/{avg}/{metrics[0]}", PRIMARY, f"held-out {primary}")] + [
         (f"completions/final/{avg}/{what}", f"completions/before/{avg}/{what}", o := OUTCOME[f"eval_{what}"],
@@ -164,11 +122,12 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     swept: dict[str, list[Group]] = {}
     for g in (g for g in groups if g.sweep_key is not None):
         swept.setdefault(g.label, []).append(g)
-    for label, members in swept.items():
-        if len(members) >= 2:
-            out.append(rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {primary}", members))
+    for label, members in swept.items():  # the sweep's trend: the per-seed slope against "no trend"
         if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
-            out += [trend_sentence(label, members, k, OUTCOME[key]) for key in (PRIMARY.key, "pass@K")]
+            for o in (PRIMARY, OUTCOME["pass@K"]):
+                d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
+                per = f"tenfold {members[0].sweep_key}" if log else f"unit of {members[0].sweep_key}"
+                out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
     if intervals := sum(d.n >= 2 for d in diffs):
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
