@@ -53,10 +53,9 @@ def md_table(text: str, heading: str) -> list[list[str]]:
 
 
 def tidy_csv(out: Path) -> dict[tuple[str, int, str], float]:
-    """results.csv's rows of the runs (the tidy table): (group, seed, outcome) -> value."""
+    """results.csv's rows (the tidy table): (group, seed, outcome) -> value."""
     with (out / "results.csv").open() as fh:
-        return {(row["group"], int(row["seed"]), "/".join(filter(None, (row["section"], row["split"], row["metric"])))
-                 .removeprefix("outcome/")): float(row["value"]) for row in csv.DictReader(fh) if row["run"]}
+        return {(row["group"], int(row["seed"]), row["outcome"]): float(row["value"]) for row in csv.DictReader(fh)}
 
 
 def pct(x: float) -> str:
@@ -481,7 +480,7 @@ def test_report_cells_match_the_runs_numbers(fake_env):
         {s: value("clip", s, 0) for s in seeds})
     assert clip["seeds"] == [0, 1, 2]
     csv_text = (out / "results.csv").read_text()
-    assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
+    assert f"clip/seed0,clip,0,final/s1/mean@2,{value('clip', 0, 0)}" in csv_text
 
 
 def test_sweep_report_states_the_trend(fake_env, monkeypatch):
@@ -499,8 +498,8 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
     assert line.endswith(": higher than no trend.") and f"n = {len(FIVE)}" in line
 
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
-    """Five seeds of clip, atr and a clip variant: the paired table, results.json and results.csv carry the intervals
-    computed from the runs' own numbers."""
+    """Five seeds of clip, atr and a clip variant: the paired table and results.json carry the intervals computed from
+    the runs' own numbers; results.csv holds the tidy table only."""
     from trustclip.evaluation.paired_stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
@@ -532,9 +531,7 @@ def test_paired_comparisons_intervals(fake_env, monkeypatch):
     assert (entry["low"], entry["high"]) == pytest.approx((expected.low, expected.high))
     assert entry["differences"] == pytest.approx(list(expected.differences))
     assert tidy_csv(fake_env)[("atr", 3, "mean@K")] == pytest.approx(average("kl3", 3, delta=0.07))
-    csv_text = (fake_env / "results.csv").read_text()
-    assert f"paired vs clip,atr,kl3,,,,,mean@K,low,{entry['low']}" in csv_text
-    assert "paired vs clip,atr,kl3,,,,,mean@K,verdict,higher" in csv_text
+    assert (fake_env / "results.csv").read_text().splitlines()[0] == "run,group,seed,outcome,value"
     with (fake_env / "curves.csv").open() as fh:
         panels = {row["panel"] for row in csv.DictReader(fh) if row["figure"] == "training_curves"}
     assert {"active-constraint fraction", "off-policy fraction (ratio outside [0.8, 1.2])", "reward (train)"} <= panels
@@ -921,11 +918,11 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
     settings.report_only = True
     assert run_compare(settings, say=lambda s: None) == 0
     with (fake_env / "results.csv").open() as fh:
-        csv_rows = [row for row in csv.DictReader(fh) if row["run"]]
+        csv_rows = list(csv.DictReader(fh))
     assert len(csv_rows) == len(rows)
-    assert {(row["run"], row["section"], row["split"], row["metric"]) for row in csv_rows} >= {
-        ("clip/seed0", "final", "s1", "mean@2"), ("atr/seed1", "gain", "average", "pass@2"),
-        ("clip/seed1", "outcome", "", "gain"), ("atr/seed0", "dynamics", "", "entropy (last 10%)")}
+    assert {(row["run"], row["outcome"]) for row in csv_rows} >= {
+        ("clip/seed0", "final/s1/mean@2"), ("atr/seed1", "gain/average/pass@2"), ("clip/seed1", "gain"),
+        ("atr/seed0", "dynamics/entropy (last 10%)")}
 
 
 def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatch):

@@ -1,7 +1,7 @@
-"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons), `results.json` (the
-settings, the groups and the comparisons) and `curves.csv` (the data of every figure). Table cells are rounded
-percentages of the fractions the CSV holds. Every sentence that compares states a paired `Difference` through
-`difference_sentence` or its verdict: nothing is called higher or lower whose 95 % interval includes 0.
+"""The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
+paired comparisons) and `curves.csv` (the data of every figure). Table cells are rounded percentages of the fractions
+the CSV holds. Every sentence that compares states a paired `Difference` through `difference_sentence` or its verdict:
+nothing is called higher or lower whose 95 % interval includes 0.
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ from trustclip.evaluation.paired_stats import (
     sweep_trend,
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
-
-CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
-               "value", "run")
 
 
 # ------------------------------------------------------------------------------------------------- numbers
@@ -203,24 +200,6 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the files
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference]) -> list[dict[str, Any]]:
-    """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
-    percentages), then one row per statistic of the paired comparisons."""
-    rows: list[dict[str, Any]] = []
-    for row in tidy([r for g in groups for r in g.runs]):
-        section, _, rest = row["outcome"].partition("/")
-        if not rest:
-            section, rest = ("outcome", section) if section in OUTCOME else (section, "total")
-        split, metric = rest.rsplit("/", 1) if section in ("final", "best", "before", "gain") else ("", rest)
-        rows.append({"section": section, "split": split, "metric": metric, "statistic": "value", **row})
-    rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
-              "value": info[name]} for d in diffs for info in (d.to_dict(),)
-             for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
-    info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
-                      "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
-    return [{**info.get(r["group"], {}), **r} for r in rows]
-
-
 def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
@@ -295,11 +274,12 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
     md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs), "## Files",
-           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded, then the paired "
-           "comparisons; `results.json`: the settings and the paired comparisons; `curves.csv`: the data of every "
-           "figure; `compare_log.jsonl`: run starts / finishes / failures; `runs/`: each run's own files."]
+           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded; `results.json`: "
+           "the settings and the paired comparisons; `curves.csv`: the data of every figure; `compare_log.jsonl`: run "
+           "starts / finishes / failures; `runs/`: each run's own files."]
     return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
-            "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs), CSV_COLUMNS),
+            "csv": _write_csv(out / "results.csv", tidy([r for g in groups for r in g.runs]),
+                              ["run", "group", "seed", "outcome", "value"]),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
             "json": write_json_atomic(out / "results.json", {  # the runs' numbers are in results.csv only
