@@ -1,8 +1,7 @@
 """The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
 paired comparisons) and `curves.csv` (the data of every figure). Table cells are rounded percentages of the fractions
 the CSV holds. Every sentence that compares states a paired `Difference` through `difference_sentence` or its verdict:
-nothing is called higher or lower whose 95 % interval includes 0.
-"""
+nothing is called higher or lower whose 95 % interval includes 0."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trustclip.compare.figures import FIGURES_DIR, make_figures
+from trustclip.compare.figures import make_figures
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.results import (
     AVERAGE,
@@ -23,7 +22,6 @@ from trustclip.compare.results import (
     Group,
     Outcome,
     RunRecord,
-    metric_title,
     outcomes_of,
     paired_comparisons,
     splits_of,
@@ -97,7 +95,7 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
     """The Findings: sentences generated from the paired intervals."""
     avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
-    primary = f"{title_of(avg)} {metric_title(metrics[0])}"
+    primary = f"{title_of(avg)} {metrics[0].capitalize()}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
            + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
     if not any(g.group == reference for g in groups):
@@ -116,10 +114,8 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     out += [difference_sentence(paired_difference(g.values[final], g.values.get(start, {}), group=g.group,
                                                   ref="RL start", outcome=o.key), what, o)
             for final, start, o, what in changes for g in groups if final in g.values]
-    swept: dict[str, list[Group]] = {}
-    for g in (g for g in groups if g.sweep_key is not None):
-        swept.setdefault(g.label, []).append(g)
-    for label, members in swept.items():  # the sweep's trend: the per-seed slope against "no trend"
+    for label in dict.fromkeys(g.label for g in groups if g.sweep_key is not None):  # a sweep's trend: its slope
+        members = [g for g in groups if g.label == label and g.sweep_key is not None]
         if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
             for o in (PRIMARY, OUTCOME["pass@K"]):
                 d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
@@ -157,7 +153,7 @@ def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float,
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
     """Paper Table 2 layout: per split and on average, "final (best)" means over seeds, in %."""
-    return _table(["Objective", *(f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics)], [
+    return _table(["Objective", *(f"{title_of(s)} {m.capitalize()}" for s in splits for m in metrics)], [
         [g.group, *(f"{fmt(g.stat(f'final/{s}/{m}').mean)} ({fmt(g.stat(f'best/{s}/{m}').mean)})"
                     for s in splits for m in metrics)] for g in groups])
 
@@ -214,10 +210,10 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     """Write report.md, results.csv, results.json, curves.csv and the figures; returns their paths."""
     out, splits, metrics, k = Path(out), splits_of(records), list(records[0].metrics), records[0].k
     cfg = records[0].spec.config
-    (m0, m1), rl, ev, data = (metric_title(m) for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
+    (m0, m1), rl, ev, data = (m.capitalize() for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
-    figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES_DIR, window)
+    figs, curve_rows = make_figures(groups, splits, metrics, out / "figures", window)
     start, start_spread = start_stats(groups, splits, metrics[0])
     missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
     text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
