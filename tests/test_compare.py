@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import re
 import signal
@@ -23,7 +22,6 @@ from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
 from trustclip.compare.plan import parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import ChangedRunError, execute
-from trustclip.compare.stats import stat
 from trustclip.files import read_jsonl, write_json_atomic
 from trustclip.train.config import load_config
 
@@ -55,10 +53,9 @@ def md_table(text: str, heading: str) -> list[list[str]]:
 
 
 def tidy_csv(out: Path) -> dict[tuple[str, int, str], float]:
-    """results.csv's rows of the runs (the tidy table): (group, seed, outcome) -> value."""
+    """results.csv's rows (the tidy table): (group, seed, outcome) -> value."""
     with (out / "results.csv").open() as fh:
-        return {(row["group"], int(row["seed"]), "/".join(filter(None, (row["section"], row["split"], row["metric"])))
-                 .removeprefix("outcome/")): float(row["value"]) for row in csv.DictReader(fh) if row["run"]}
+        return {(row["group"], int(row["seed"]), row["outcome"]): float(row["value"]) for row in csv.DictReader(fh)}
 
 
 def pct(x: float) -> str:
@@ -309,27 +306,6 @@ def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_p
 
 
 # ----------------------------------------------------------------------------------- statistics and text
-def test_rank_sentence_follows_the_paired_intervals():
-    from trustclip.compare.report import rank_sentence
-    from trustclip.compare.results import Group
-
-    def group(name: str, values: list[float]) -> Group:
-        return Group(name, name, name, {}, None, None, [], values={"mean@K": dict(enumerate(values))})
-
-    base = [0.30, 0.42, 0.35, 0.25, 0.38]  # the seeds' shared starts vary a lot ...
-    a = group("a", [v + 0.05 + e for v, e in zip(base, [0.004, -0.006, 0.001, 0.007, -0.003], strict=True)])
-    b = group("b", base)
-    noisy = group("c", [v + 0.01 + e for v, e in zip(a.values["mean@K"].values(), [0.02, -0.02, 0.01, -0.01, 0.0],
-                                                     strict=True)])
-    text = rank_sentence("acc", [b, a])  # ... but the paired differences a - b are all about +5 points
-    assert "**a** has the highest mean" in text and "against every other group lies above 0" in text
-    text = rank_sentence("acc", [a, b, noisy])  # c has the highest mean, but is not resolved from a
-    assert "**c** has the highest mean" in text and "lie above 0 against b, not against a." in text
-    assert "do not order them" in rank_sentence("acc", [group("x", [0.5, 0.4]), group("y", [0.45, 0.46])])
-    assert "share the highest mean" in rank_sentence("acc", [group("x", [0.5, 0.4]), group("y", [0.4, 0.5])])
-    assert math.isnan(stat([1.0]).std) and stat([1.0, float("nan"), 3.0]).n == 2
-
-
 def test_io_atomic_write_and_truncated_jsonl(tmp_path):
     write_json_atomic(tmp_path / "a.json", {"x": float("nan")})
     assert json.loads((tmp_path / "a.json").read_text()) == {"x": None}
@@ -489,9 +465,6 @@ def test_report_cells_match_the_runs_numbers(fake_env):
     gap = np.mean([average("kl3", s, delta=0.05) - average("clip", s) for s in seeds])
     assert (f"atr_delta=0.05 - clip, held-out Mean@2, final: +{100 * gap:.1f} points [95% CI -inf, +inf], n = 3 "
             "paired seeds; the interval includes 0: no difference resolved at n = 3") in text
-    top = [(value("kl3", s, 0, 0.1) + value("kl3", s, 1, 0.1)) / 2 for s in seeds]
-    assert (f"Sweep of atr over delta, Average Mean@2: **atr_delta=0.1** has the highest mean ({pm(top)} points, "
-            "n = 3); its paired 95% interval against every other group lies above 0.") in text
     # Dynamics: entropy over the last 10% of steps (= step 10) and mean clip fraction over RL.
     dyn = md_table(text, "## Training dynamics")
     entropy = [0.5 + 0.01 * s for s in seeds]
@@ -507,7 +480,7 @@ def test_report_cells_match_the_runs_numbers(fake_env):
         {s: value("clip", s, 0) for s in seeds})
     assert clip["seeds"] == [0, 1, 2]
     csv_text = (out / "results.csv").read_text()
-    assert f"final,clip,clip,,,0,s1,mean@2,value,{value('clip', 0, 0)}" in csv_text
+    assert f"clip/seed0,clip,0,final/s1/mean@2,{value('clip', 0, 0)}" in csv_text
 
 
 def test_sweep_report_states_the_trend(fake_env, monkeypatch):
@@ -520,14 +493,14 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
     text = (fake_env / "report.md").read_text()
     slope = np.polyfit(np.log10(deltas), [average("kl3", 0, delta=d) for d in deltas], 1)[0]
     assert slope > 0  # the stand-in adds 2 * delta, the same on every seed
-    line = next(x for x in text.splitlines() if x.startswith("- Trend of atr over delta"))
-    assert "on log10 delta" in line and f"+{100 * slope:.1f} points per tenfold delta" in line
-    assert line.endswith(": increasing.") and f"n = {len(FIVE)}" in line
+    line = next(x for x in text.splitlines() if x.startswith("- atr - no trend, slope of held-out Mean@2, final"))
+    assert f"per tenfold delta: +{100 * slope:.1f} points" in line
+    assert line.endswith(": higher than no trend.") and f"n = {len(FIVE)}" in line
 
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
-    """Five seeds of clip, atr and a clip variant: the paired table, results.json and results.csv carry the intervals
-    computed from the runs' own numbers."""
-    from trustclip.compare.stats import paired_difference
+    """Five seeds of clip, atr and a clip variant: the paired table and results.json carry the intervals computed from
+    the runs' own numbers; results.csv holds the tidy table only."""
+    from trustclip.evaluation.paired_stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
     finish_in_process(settings, monkeypatch)
@@ -558,9 +531,7 @@ def test_paired_comparisons_intervals(fake_env, monkeypatch):
     assert (entry["low"], entry["high"]) == pytest.approx((expected.low, expected.high))
     assert entry["differences"] == pytest.approx(list(expected.differences))
     assert tidy_csv(fake_env)[("atr", 3, "mean@K")] == pytest.approx(average("kl3", 3, delta=0.07))
-    csv_text = (fake_env / "results.csv").read_text()
-    assert f"paired vs clip,atr,kl3,,,,,mean@K,low,{entry['low']}" in csv_text
-    assert "paired vs clip,atr,kl3,,,,,mean@K,verdict,higher" in csv_text
+    assert (fake_env / "results.csv").read_text().splitlines()[0] == "run,group,seed,outcome,value"
     with (fake_env / "curves.csv").open() as fh:
         panels = {row["panel"] for row in csv.DictReader(fh) if row["figure"] == "training_curves"}
     assert {"active-constraint fraction", "off-policy fraction (ratio outside [0.8, 1.2])", "reward (train)"} <= panels
@@ -947,11 +918,11 @@ def test_tidy_table_is_the_one_source_of_every_group_number(fake_env, monkeypatc
     settings.report_only = True
     assert run_compare(settings, say=lambda s: None) == 0
     with (fake_env / "results.csv").open() as fh:
-        csv_rows = [row for row in csv.DictReader(fh) if row["run"]]
+        csv_rows = list(csv.DictReader(fh))
     assert len(csv_rows) == len(rows)
-    assert {(row["run"], row["section"], row["split"], row["metric"]) for row in csv_rows} >= {
-        ("clip/seed0", "final", "s1", "mean@2"), ("atr/seed1", "gain", "average", "pass@2"),
-        ("clip/seed1", "outcome", "", "gain"), ("atr/seed0", "dynamics", "", "entropy (last 10%)")}
+    assert {(row["run"], row["outcome"]) for row in csv_rows} >= {
+        ("clip/seed0", "final/s1/mean@2"), ("atr/seed1", "gain/average/pass@2"), ("clip/seed1", "gain"),
+        ("atr/seed0", "dynamics/entropy (last 10%)")}
 
 
 def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatch):

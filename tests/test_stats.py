@@ -1,4 +1,4 @@
-"""The statistics of `trustclip compare` (trustclip/compare/stats.py): coverage of the paired interval on
+"""The statistics of `trustclip compare` (trustclip/evaluation/paired_stats.py): coverage of the paired interval on
 synthetic seed results with a known effect, no call on a zero effect, seeds needed against textbook values.
 ~15 s (1,400 bootstraps)."""
 
@@ -11,11 +11,12 @@ import pytest
 from scipy import stats as sps
 
 from trustclip.compare.report import difference_sentence
-from trustclip.compare.stats import (
+from trustclip.evaluation.paired_stats import (
     bootstrap_t_interval,
     log_scale,
     paired_difference,
     seeds_needed,
+    stat,
     sweep_trend,
 )
 
@@ -147,6 +148,10 @@ def test_interval_edge_cases_and_sentences():
     assert flat.low < 0 < flat.high and flat.verdict == "not resolved"
     assert (f"the interval includes 0: no difference resolved at n = 6; about {flat.seeds_needed} seeds would be "
             "needed to resolve a difference this size.") in difference_sentence(flat, "Mean@8")
+
+
+def test_stat_of_seeds_drops_non_finite_values():  # moved from the removed rank-sentence test of test_compare.py
+    assert math.isnan(stat([1.0]).std) and stat([1.0, float("nan"), 3.0]).n == 2
 
 
 def test_seeds_needed_matches_textbook_power():

@@ -12,12 +12,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from trustclip.compare.results import SERIES, Group, metric_title, title_of
-from trustclip.compare.stats import Stat, log_scale
+from trustclip.compare.results import SERIES, Group, title_of
+from trustclip.evaluation.paired_stats import Stat, log_scale
 from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window, smooth
 
-FIGURES_DIR = "figures"
 PerSeed = list[tuple[np.ndarray, np.ndarray]]  # (x, y) of each seed
 
 
@@ -64,8 +63,7 @@ def at_k_points(group: Group, split: str, kind: str) -> PerSeed:
 
 def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], out: Path,
                  window: int | None) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Every figure of the report (training curves, held-out accuracy vs step, Mean@k / Pass@k vs k, the sweep);
-    returns their paths and the plotted data rows."""
+    """The report's figures (training curves, accuracy vs step, Mean@k / Pass@k vs k, the sweep) and their data."""
     window = window or default_window(max((len(s[0]) for g in groups for r in g.runs for s in r.series.values()),
                                           default=1))
     rows: list[dict[str, Any]] = []
@@ -89,7 +87,7 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         paths.append(plot_bands(out / "training_curves.png", training, "Training curves: mean ± std over seeds, "
                                 f"moving average over {window} steps", ncols=4))
     if evals := panels("eval_vs_step", "RL step", "accuracy", eval_points,
-                       [(f"{title_of(s)} {metric_title(m)}", (s, m)) for m in metrics for s in splits]):
+                       [(f"{title_of(s)} {m.capitalize()}", (s, m)) for m in metrics for s in splits]):
         paths.append(plot_bands(out / "eval_vs_step.png", evals, "Held-out accuracy during RL (step 0: RL start), "
                                 "mean ± std", ncols=len(splits)))
     if at_k := panels("at_k", "k", "accuracy", at_k_points, [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind))
@@ -98,7 +96,7 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
                                 ncols=len(splits)))
     if swept := [g for g in groups if g.sweep_key is not None]:
         avg = splits[-1]
-        sweep = [(f"{title_of(avg)} {metric_title(m)} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
+        sweep = [(f"{title_of(avg)} {m.capitalize()} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
                  for m in metrics]
         rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.sweep_value, "mean": stats[g.group].mean,
                      "std": stats[g.group].std, "n_seeds": stats[g.group].n}
@@ -150,9 +148,8 @@ def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: 
 
 
 def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
-    """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): the swept groups
-    with ± std error bars, the groups without the parameter as horizontal lines with a ± std band; a log x axis as
-    `stats.log_scale` says."""
+    """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): swept groups with
+    ± std error bars, the others as horizontal lines with a ± std band; log x where `paired_stats.log_scale` says."""
     swept, references = [g for g in groups if g.sweep_key is not None], [g for g in groups if g.sweep_key is None]
     key, xs, labels = swept[0].sweep_key, [g.sweep_value for g in swept], list(dict.fromkeys(g.label for g in swept))
     with figure_context():

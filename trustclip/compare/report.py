@@ -1,8 +1,7 @@
-"""The comparison report: `report.md`, `results.csv` (the tidy table, then the paired comparisons), `results.json` (the
-settings, the groups and the comparisons) and `curves.csv` (the data of every figure). Table cells are rounded
-percentages of the fractions the CSV holds. Every sentence that compares states a paired `Difference` through
-`difference_sentence` or its verdict: nothing is called higher or lower whose 95 % interval includes 0.
-"""
+"""The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
+paired comparisons) and `curves.csv` (the data of every figure). Table cells are rounded percentages of the fractions
+the CSV holds. Every sentence that compares states a paired `Difference` through `difference_sentence` or its verdict:
+nothing is called higher or lower whose 95 % interval includes 0."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trustclip.compare.figures import FIGURES_DIR, make_figures
+from trustclip.compare.figures import make_figures
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.results import (
     AVERAGE,
@@ -23,7 +22,6 @@ from trustclip.compare.results import (
     Group,
     Outcome,
     RunRecord,
-    metric_title,
     outcomes_of,
     paired_comparisons,
     splits_of,
@@ -31,11 +29,17 @@ from trustclip.compare.results import (
     tidy,
     title_of,
 )
-from trustclip.compare.stats import LEVEL, MAX_SEEDS, RESAMPLES, Difference, Stat, paired_difference, stat, sweep_trend
+from trustclip.evaluation.paired_stats import (
+    LEVEL,
+    MAX_SEEDS,
+    RESAMPLES,
+    Difference,
+    Stat,
+    paired_difference,
+    stat,
+    sweep_trend,
+)
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
-
-CSV_COLUMNS = ("section", "group", "objective", "sweep_key", "sweep_value", "seed", "split", "metric", "statistic",
-               "value", "run")
 
 
 # ------------------------------------------------------------------------------------------------- numbers
@@ -87,52 +91,11 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
     return text + f"; the interval includes 0: no difference resolved at n = {d.n}; {more}."
 
 
-def rank_sentence(name: str, groups: Sequence[Group]) -> str:
-    """Which group has the highest mean of the primary outcome, and which others its paired intervals resolve it
-    from."""
-    means = {g.group: g.stat(PRIMARY.key) for g in groups}
-    ranked = sorted((g for g in groups if means[g.group].n), key=lambda g: means[g.group].mean, reverse=True)
-    if len(ranked) < 2:
-        return f"{name}: fewer than two groups with finished runs, no ordering."
-    top, best = ranked[0], means[ranked[0].group]
-    tied = [g.group for g in ranked if means[g.group].mean == best.mean]
-    value = fmt_pm(best) + PRIMARY.unit
-    if len(tied) > 1:
-        who = ", ".join(f"**{g}**" for g in tied)
-        return f"{name}: {who} share the highest mean ({value}); no ordering among them."
-    verdicts = {g.group: paired_difference(top.values[PRIMARY.key], g.values[PRIMARY.key], group=top.group,
-                                           ref=g.group, outcome=PRIMARY.key).verdict for g in ranked[1:]}
-    above, open_ = ([g for g, v in verdicts.items() if (v == "higher") == want] for want in (True, False))
-    text = f"{name}: **{top.group}** has the highest mean ({value}, n = {best.n})"
-    if not open_:
-        return text + f"; its paired {LEVEL:.0%} interval against every other group lies above 0."
-    if not above:
-        return text + f", but no paired {LEVEL:.0%} interval against the others ({', '.join(open_)}) excludes 0: " \
-                      "the data do not order them."
-    return text + f"; its paired {LEVEL:.0%} intervals lie above 0 against {', '.join(above)}, not against " \
-                  f"{', '.join(open_)}."
-
-
-def trend_sentence(label: str, members: Sequence[Group], k: int, o: Outcome) -> str:
-    """The sweep's trend (`stats.sweep_trend`): the per-seed slope of an outcome and its interval."""
-    key = members[0].sweep_key
-    d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
-    text = (f"Trend of {label} over {key} (least-squares slope of {o.label.format(k=k)} on "
-            f"{f'log10 {key}' if log else key}, per seed, seeds with every value): ")
-    if d.n < 2:
-        return text + f"{d.n} complete seed(s), no interval."
-    text += (f"{fmt_amount(d.mean, o)} {f'per tenfold {key}' if log else f'per unit of {key}'} "
-             f"{fmt_interval(d, o, f'{LEVEL:.0%} CI ')}, n = {d.n} (per seed: "
-             + ", ".join(fmt(v, o.scale, o.digits, "+") for v in d.differences) + ")")
-    verdict = {"higher": "increasing", "lower": "decreasing", "identical": "flat on every seed"}.get(d.verdict)
-    return text + (f": {verdict}." if verdict else "; the interval includes 0: no trend resolved.")
-
-
 def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
     """The Findings: sentences generated from the paired intervals."""
     avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
-    primary = f"{title_of(avg)} {metric_title(metrics[0])}"
+    primary = f"{title_of(avg)} {metrics[0].capitalize()}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
            + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
     if not any(g.group == reference for g in groups):
@@ -144,7 +107,6 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
             f"({d.verdict})" for d in resolved) + ".")
     elif diffs:
         out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
-    out.append(rank_sentence(f"{primary} of the final policy", groups))
     # how RL moved each run: final policy - its own RL start, paired within the run (completions where recorded)
     changes = [(f"final/{avg}/{metrics[0]}", f"before/{avg}/{metrics[0]}", PRIMARY, f"held-out {primary}")] + [
         (f"completions/final/{avg}/{what}", f"completions/before/{avg}/{what}", o := OUTCOME[f"eval_{what}"],
@@ -152,14 +114,13 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     out += [difference_sentence(paired_difference(g.values[final], g.values.get(start, {}), group=g.group,
                                                   ref="RL start", outcome=o.key), what, o)
             for final, start, o, what in changes for g in groups if final in g.values]
-    swept: dict[str, list[Group]] = {}
-    for g in (g for g in groups if g.sweep_key is not None):
-        swept.setdefault(g.label, []).append(g)
-    for label, members in swept.items():
-        if len(members) >= 2:
-            out.append(rank_sentence(f"Sweep of {label} over {members[0].sweep_key}, {primary}", members))
+    for label in dict.fromkeys(g.label for g in groups if g.sweep_key is not None):  # a sweep's trend: its slope
+        members = [g for g in groups if g.label == label and g.sweep_key is not None]
         if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
-            out += [trend_sentence(label, members, k, OUTCOME[key]) for key in (PRIMARY.key, "pass@K")]
+            for o in (PRIMARY, OUTCOME["pass@K"]):
+                d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
+                per = f"tenfold {members[0].sweep_key}" if log else f"unit of {members[0].sweep_key}"
+                out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
     if intervals := sum(d.n >= 2 for d in diffs):
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
@@ -192,7 +153,7 @@ def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float,
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
     """Paper Table 2 layout: per split and on average, "final (best)" means over seeds, in %."""
-    return _table(["Objective", *(f"{title_of(s)} {metric_title(m)}" for s in splits for m in metrics)], [
+    return _table(["Objective", *(f"{title_of(s)} {m.capitalize()}" for s in splits for m in metrics)], [
         [g.group, *(f"{fmt(g.stat(f'final/{s}/{m}').mean)} ({fmt(g.stat(f'best/{s}/{m}').mean)})"
                     for s in splits for m in metrics)] for g in groups])
 
@@ -235,24 +196,6 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- the files
-def csv_rows(groups: Sequence[Group], diffs: Sequence[Difference]) -> list[dict[str, Any]]:
-    """The tidy table in long format (an outcome `<section>/<split>/<metric>` split into its columns; fractions, not
-    percentages), then one row per statistic of the paired comparisons."""
-    rows: list[dict[str, Any]] = []
-    for row in tidy([r for g in groups for r in g.runs]):
-        section, _, rest = row["outcome"].partition("/")
-        if not rest:
-            section, rest = ("outcome", section) if section in OUTCOME else (section, "total")
-        split, metric = rest.rsplit("/", 1) if section in ("final", "best", "before", "gain") else ("", rest)
-        rows.append({"section": section, "split": split, "metric": metric, "statistic": "value", **row})
-    rows += [{"section": f"paired vs {d.reference}", "group": d.group, "metric": d.outcome, "statistic": name,
-              "value": info[name]} for d in diffs for info in (d.to_dict(),)
-             for name in ("mean", "low", "high", "n", "sd", "verdict", "seeds_needed")]
-    info = {g.group: {"objective": g.objective, "sweep_key": g.sweep_key or "",
-                      "sweep_value": "" if g.sweep_value is None else g.sweep_value} for g in groups}
-    return [{**info.get(r["group"], {}), **r} for r in rows]
-
-
 def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), extrasaction="ignore")
@@ -267,10 +210,10 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     """Write report.md, results.csv, results.json, curves.csv and the figures; returns their paths."""
     out, splits, metrics, k = Path(out), splits_of(records), list(records[0].metrics), records[0].k
     cfg = records[0].spec.config
-    (m0, m1), rl, ev, data = (metric_title(m) for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
+    (m0, m1), rl, ev, data = (m.capitalize() for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
-    figs, curve_rows = make_figures(groups, splits, metrics, out / FIGURES_DIR, window)
+    figs, curve_rows = make_figures(groups, splits, metrics, out / "figures", window)
     start, start_spread = start_stats(groups, splits, metrics[0])
     missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
     text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
@@ -327,11 +270,12 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
     md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs), "## Files",
-           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded, then the paired "
-           "comparisons; `results.json`: the settings and the paired comparisons; `curves.csv`: the data of every "
-           "figure; `compare_log.jsonl`: run starts / finishes / failures; `runs/`: each run's own files."]
+           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded; `results.json`: "
+           "the settings and the paired comparisons; `curves.csv`: the data of every figure; `compare_log.jsonl`: run "
+           "starts / finishes / failures; `runs/`: each run's own files."]
     return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
-            "csv": _write_csv(out / "results.csv", csv_rows(groups, diffs), CSV_COLUMNS),
+            "csv": _write_csv(out / "results.csv", tidy([r for g in groups for r in g.runs]),
+                              ["run", "group", "seed", "outcome", "value"]),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
             "json": write_json_atomic(out / "results.json", {  # the runs' numbers are in results.csv only

@@ -2,8 +2,7 @@
 the training pipeline wrote (`eval/after.json`, `eval/before.json`, `metrics.jsonl`, `summary.json`). A `Group` is
 the table pivoted to one group (outcome -> seed -> value); the paired comparisons and the RL start are computed from
 it. Outcome keys: `final|best|before|gain/<split>/<metric>`, `dynamics/<series> (last 10%)|(mean)`,
-`completions/<final|before>/<split>/<length|entropy>`, `seconds` and the `OUTCOMES` (docs/compare-statistics.md).
-"""
+`completions/<final|before>/<split>/<length|entropy>`, `seconds` and the `OUTCOMES` (docs/compare-statistics.md)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ import numpy as np
 
 from trustclip import metric_names as names
 from trustclip.compare.plan import RunSpec
-from trustclip.compare.stats import Difference, Stat, paired_difference, stat
 from trustclip.evaluation.metrics import AVERAGE
+from trustclip.evaluation.paired_stats import Difference, Stat, paired_difference, stat
 from trustclip.files import read_json
 from trustclip.train.plots import read_series
 
@@ -144,8 +143,7 @@ def load_run(spec: RunSpec) -> RunRecord:
 
 def run_rows(record: RunRecord) -> dict[str, float]:
     """Every number of one run, outcome -> value, each computed once: the `OUTCOMES` are entries of the rest on the
-    held-out average (NaN where the run lacks the data); a run "collapsed" when its final Mean@K is below its own RL
-    start."""
+    held-out average (NaN where missing); a run "collapsed" when its final Mean@K is below its own RL start."""
     out = {f"{section}/{split}/{m}": v for section in ("final", "best", "before")
            for split, values in (getattr(record, section) or {}).items() for m, v in values.items()}
     out |= {f"gain/{split}/{m}": record.final[split][m] - values[m] for split, values in (record.before or {}).items()
@@ -236,8 +234,3 @@ def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> 
 
 def title_of(split: str) -> str:
     return "Average" if split == AVERAGE else split
-
-
-def metric_title(metric: str) -> str:
-    name, _, k = metric.partition("@")
-    return f"{name.capitalize()}@{k}"

@@ -1,7 +1,6 @@
-"""Statistics of a comparison over seeds, as numbers (`report` words them): a group against the reference, paired by
-seed, with a studentised-bootstrap interval of the mean difference; a sweep through the per-seed slope. Why these and
-their measured coverage: docs/compare-statistics.md.
-"""
+"""Statistics of a comparison over seeds (numpy and scipy only): a group against a reference, paired by seed, with a
+studentised-bootstrap interval of the mean difference; a sweep through the per-seed slope. `trustclip compare` words
+them (`compare/report.py`); why these and their measured coverage: docs/compare-statistics.md."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def bootstrap_t_interval(differences: Sequence[float]) -> tuple[float, float]:
         warnings.simplefilter("ignore", RuntimeWarning)  # scipy's own percentile interval of t* (unused) sees infs
         t = sps.bootstrap((d,), t_star, vectorized=True, n_resamples=RESAMPLES, method="percentile",
                           rng=np.random.default_rng(BOOTSTRAP_SEED)).bootstrap_distribution
-    a = 1 - LEVEL
-    q_low, q_high = np.quantile(t, [a / 2, 1 - a / 2], method="inverted_cdf")  # no interpolation across infs
+    q_low, q_high = np.quantile(t, [(1 - LEVEL) / 2, (1 + LEVEL) / 2], method="inverted_cdf")  # no interpolating infs
     return float(mean - q_high * se), float(mean - q_low * se)
 
 
@@ -80,14 +78,15 @@ def seeds_needed(mean: float, sd: float) -> int | None:
 
 @dataclass(frozen=True)
 class Difference:
-    """Paired differences of one outcome, group - reference, on the seeds both have, with their interval (NaN below 2
-    seeds)."""
+    """Paired differences of one outcome, group - reference, on the seeds both have; the interval NaN below 2 seeds."""
 
     group: str
     reference: str
     outcome: str
     seeds: tuple[int, ...]
     differences: tuple[float, ...]
+    mean: float
+    sd: float
     low: float
     high: float
 
@@ -95,15 +94,7 @@ class Difference:
     def n(self) -> int:
         return len(self.differences)
 
-    @property
-    def mean(self) -> float:
-        return math.fsum(self.differences) / self.n if self.n else math.nan
-
-    @property
-    def sd(self) -> float:
-        return float(np.std(self.differences, ddof=1)) if self.n >= 2 else math.nan
-
-    @cached_property  # a root search over n: the table, the sentences, the CSV and the JSON all read it
+    @cached_property  # a root search over n: the table, the sentences and the JSON all read it
     def seeds_needed(self) -> int | None:
         return seeds_needed(self.mean, self.sd)
 
@@ -127,7 +118,8 @@ def _difference(group: str, ref: str, outcome: str, seeds: Sequence[int], values
     # rounded to 12 decimals: float rounding (0.6 + 0.03 - (0.2 + 0.03) != 0.4) is no seed-to-seed spread; + 0.0: no -0
     values = tuple(round(float(v), 12) + 0.0 for v in values)
     low, high = bootstrap_t_interval(values) if len(values) >= 2 else (math.nan, math.nan)
-    return Difference(group, ref, outcome, tuple(seeds), values, low, high)
+    spread = stat(values)
+    return Difference(group, ref, outcome, tuple(seeds), values, spread.mean, spread.std, low, high)
 
 
 def paired_difference(values: Mapping[int, float], reference: Mapping[int, float], *, group: str, ref: str,
@@ -139,16 +131,14 @@ def paired_difference(values: Mapping[int, float], reference: Mapping[int, float
 
 
 def log_scale(values: Sequence[float]) -> bool:
-    """A sweep is read on log10 of its values (the trend's slope, the figure's axis) when they are all > 0 and span
-    10x or more."""
+    """A sweep is read on log10 (the trend's slope, the figure's axis) when its values are all > 0 and span 10x+."""
     return min(values) > 0 and max(values) / min(values) >= 10
 
 
 def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group: str,
                 outcome: str) -> tuple[Difference, bool]:
-    """One test for a whole sweep (pairs of values would make k(k-1)/2 intervals): per seed with every value, the
-    least-squares slope of the outcome on log10(value) (on the value when one is <= 0 or they span less than 10x),
-    as a `Difference` against "no trend"; and whether the scale is log10."""
+    """One test for a whole sweep, not k(k-1)/2 pairs: per seed with every value, the least-squares slope of the
+    outcome on log10(value) if `log_scale` (else on the value), as a `Difference` against "no trend"; and `log`."""
     values = sorted(float(v) for v in outcome_by_value)
     if len(values) < 3:
         raise ValueError(f"a sweep trend needs at least 3 swept values, got {len(values)}")
