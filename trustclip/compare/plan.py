@@ -145,21 +145,14 @@ def parse_objectives(text: str | Sequence[str]) -> list[str]:
 
 
 def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) -> str:
-    """The reference group among (group, label, objective) triples in plan order: `name` as a group name, an item of
-    --objectives (`clip[epsilon=0.3]`) or an objective name / alias (its group, or its one group without brackets);
-    by default the first group of objective `clip`, else the first."""
+    """The reference group among (group, label, objective) triples in plan order: `name` (whitespace ignored) as a
+    group name or an item of --objectives as written; by default the first group of objective `clip`, else the
+    first."""
     groups = list(dict.fromkeys(groups))
-    if not groups:
-        raise ValueError("no groups to compare")
     if name is None:
         return next((g for g, _, objective in groups if objective == "clip"), groups[0][0])
-    candidates = [g for g, _, _ in groups if g == name]
-    with contextlib.suppress(ValueError):  # not an item of --objectives: no other match
-        entry = parse_entry(name)
-        same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
-        plain = [g for g, label in same if "[" not in label]  # an objective name: its one such group, else all its
-        candidates = (candidates or [g for g, label in same if label == entry.label]
-                      or ([] if entry.kwargs else plain if len(plain) == 1 else [g for g, _ in same]))
+    written = re.sub(r"\s+", "", name)
+    candidates = [g for g, label, _ in groups if written in (g, label)]
     if len(candidates) == 1:
         return candidates[0]
     if candidates:
@@ -168,24 +161,16 @@ def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) 
     raise ValueError(f"--reference {name!r} is not a compared group; groups: {', '.join(g for g, _, _ in groups)}")
 
 
-def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[int]:
-    """`count` seeds 0..count-1, or an explicit comma-separated list."""
-    if seed_list:
-        try:
-            seeds = [int(s) for s in seed_list.split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(f"--seed-list {seed_list!r}: expected integers like 0,1,2") from None
-        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ValueError(f"--seed-list {seed_list!r}: need distinct non-negative integers")
-        return seeds
-    if count is None or isinstance(count, bool) or count < 1:
+def parse_seeds(count: int) -> list[int]:
+    """`--seeds N`: seeds 0..N-1."""
+    if isinstance(count, bool) or count < 1:
         raise ValueError(f"--seeds must be an integer >= 1, got {count!r}")
     return list(range(count))
 
 
 _LIST = "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])"
 NOT_SWEEPABLE = {  # settings --sweep cannot vary, and what varies them (and RUN_CONTROL: no run changes)
-    "rl.objective": _LIST, "objective": _LIST, "seed": "give the seeds with --seeds / --seed-list",
+    "rl.objective": _LIST, "objective": _LIST, "seed": "give the seeds with --seeds",
     "rl.objective_kwargs": "sweep one hyper-parameter by its name (--sweep delta=0.05,0.1), or list variants "
                            "NAME[KEY=V] in --objectives",
     "stages": "compare runs every stage; set them for all runs with --set stages=...",
