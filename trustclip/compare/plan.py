@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from trustclip.train.config import RUN_CONTROL, parse_value
+from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dotted, parse_value, set_dotted
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
@@ -56,10 +56,12 @@ class RunSpec:
 
     @property
     def group(self) -> str:
-        """Name of the (objective, sweep value) group that seeds are aggregated over."""
-        if self.kind == "sft" or self.sweep_key is None:
+        """Name of the (objective, sweep value) group that seeds are aggregated over; a swept value in short, stable
+        text (0.07 -> '0.07', 1e-05 -> '1e-05')."""
+        if self.sweep_key is None:
             return self.label
-        return f"{self.label}_{self.sweep_key}={format_value(self.sweep_value)}"
+        value = f"{self.sweep_value:g}" if isinstance(self.sweep_value, float) else self.sweep_value
+        return f"{self.label}_{self.sweep_key}={value}"
 
     @property
     def run_id(self) -> str:
@@ -85,11 +87,6 @@ class RunSpec:
                 "depends_on": dep.run_id if dep else None,
                 "start_model": os.path.relpath(dep.run_dir / "sft" / "final", self.run_dir) if dep else None,
                 "config": self.config}
-
-
-def format_value(value: Any) -> str:
-    """Short, stable text of a swept value: 0.07 -> '0.07', 1e-05 -> '1e-05'."""
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def canonical_text(value: Any) -> str:
@@ -212,9 +209,7 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
 
 def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
     """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
-    from trustclip.objectives import get_objective
-    from trustclip.objectives.registry import resolve_name
-    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted
+    from trustclip.objectives.registry import get_objective, resolve_name
 
     option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
     kwargs = dict(entry.kwargs)

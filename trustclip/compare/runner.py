@@ -23,6 +23,7 @@ from typing import Any
 
 from trustclip.compare.plan import SPEC_FILE, RunSpec
 from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
+from trustclip.train.config import TrainConfig, from_dict
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK = "compare_log.jsonl", "worker.log", ".compare.lock"
 COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
@@ -48,7 +49,6 @@ def is_finished(spec: RunSpec) -> bool:
 def check_runs(runs: Sequence[RunSpec]) -> None:
     """Every run's configuration as `trustclip train` checks it (`check_run`), before any run starts."""
     from trustclip.train.checks import check_run
-    from trustclip.train.config import TrainConfig, from_dict
 
     for spec in {spec.fingerprint(): spec for spec in runs}.values():
         try:
@@ -208,9 +208,9 @@ def _stop(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _kill(processes: Sequence[subprocess.Popen], grace: float = KILL_GRACE) -> None:
-    """SIGTERM the workers' process groups, SIGKILL those still there after `grace` seconds."""
-    deadline = time.time() + grace
+def _kill(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM the workers' process groups, SIGKILL those still there after KILL_GRACE seconds."""
+    deadline = time.time() + KILL_GRACE
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [process for process in processes if process.poll() is None]
         for process in alive:
@@ -225,7 +225,6 @@ def _kill(processes: Sequence[subprocess.Popen], grace: float = KILL_GRACE) -> N
 def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     """TrainConfig of the run, writing into `run_dir` (RL from the shared SFT run's model, if it has one)."""
     from trustclip.models import is_saved_model
-    from trustclip.train.config import TrainConfig, from_dict
 
     data = copy.deepcopy(spec["config"]) | {"output_dir": str(run_dir), "resume": resume}
     if spec.get("start_model"):
