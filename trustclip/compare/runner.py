@@ -110,8 +110,7 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
     (SFT runs first; an RL run starts once its SFT run has ended); starts, finishes and failures go to
     `log_dir` (default `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling
-    thread takes Ctrl-C. Safe to call again after any interruption: a partial run continues with the trainer's
-    resume."""
+    thread takes Ctrl-C. Safe to call again after any interruption (a partial run resumes)."""
     for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
