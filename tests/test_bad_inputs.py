@@ -146,7 +146,7 @@ def test_a_huge_number_in_a_data_file_names_file_and_line(tmp_path):
         load_prompts(path)
 
 
-@pytest.mark.parametrize("bad", [{"jobs": -1}, {"jobs": 0}, {"threads": 0}, {"run_timeout": 0.0}])
+@pytest.mark.parametrize("bad", [{"jobs": -1}, {"jobs": 0}, {"threads": 0}])
 def test_compare_execute_refuses_a_pool_that_could_never_run(bad, tmp_path):
     """A library caller of `execute` (CompareSettings checks the CLI's flags): jobs <= 0 would wait forever."""
     from trustclip.compare.runner import execute

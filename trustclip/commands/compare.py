@@ -13,7 +13,7 @@ Examples::
     trustclip compare --objectives clip,dcpo --runs-dir outputs/pool --output-dir outputs/pool/second  # clip reused
 
 Rerunning the same command resumes: finished runs are kept, unfinished ones are continued (the
-trainer's resume) or, with --restart-partial, restarted. Ctrl-C stops the running runs cleanly.
+trainer's resume). Ctrl-C stops the running runs cleanly.
 """
 
 from __future__ import annotations
@@ -22,15 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from trustclip.compare import (
-    DEFAULT_SEEDS,
-    EXPERIMENT_KEYS,
-    SETTINGS_FILE,
-    CompareSettings,
-    hparam_spelling,
-    read_saved,
-    run_compare,
-)
+from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved, run_compare
 from trustclip.compare.plan import parse_objectives, parse_seeds
 
 
@@ -43,7 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "e.g. clip,clip[epsilon=0.329] (quote it for the shell); default: the previous compare's")
     what.add_argument("--seeds", type=int, help=f"number of training seeds, 0..N-1 (default {DEFAULT_SEEDS}; a paired "
                       "interval is finite from 4 seeds, 5 or more to resolve anything but large differences)")
-    what.add_argument("--seed-list", metavar="S1,S2,...", help="explicit seeds instead of --seeds")
     what.add_argument("--config", metavar="RECIPE.yaml", help="training recipe shared by all runs (default: the "
                       "embedded CPU setting of `trustclip train`)")
     what.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
@@ -55,7 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--eval-every", type=int, metavar="STEPS", help="held-out evaluation every STEPS RL steps, for "
                       "the accuracy-vs-step figure and 'best' (default: the recipe's rl.eval_every, or max_steps // 5 "
                       "if that is 0; 0 = off)")
-    what.add_argument("--hparam", action="append", help=argparse.SUPPRESS)  # removed: refused with its new spelling
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
     where.add_argument("--runs-dir", type=Path, metavar="POOL", help="keep the runs in POOL/runs instead, a pool that "
@@ -63,36 +53,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "all start RL from one SFT model per seed")
     where.add_argument("--jobs", type=int, help="parallel runs (default min(2, cores))")
     where.add_argument("--threads-per-job", type=int, help="torch threads per run (default cores // jobs)")
-    where.add_argument("--restart-partial", action="store_true", help="restart unfinished runs from scratch (default: "
-                       "continue them with the trainer's resume: finished stages kept, RL from its last checkpoint)")
     where.add_argument("--redo-changed", action="store_true",
                        help="delete and redo runs whose directory was made with different settings")
-    where.add_argument("--run-timeout", type=float, metavar="SECONDS",
-                       help="stop (and count as failed) a run that takes longer than this")
     where.add_argument("--dry-run", action="store_true", help="print the plan (runs, status) and exit")
     where.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs only")
-    where.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
-                       help="status line interval (default 30 s)")
     where.add_argument("--pipeline", metavar="MODULE:FUNCTION",
                        help="training callable instead of trustclip.train.pipeline:run_pipeline (same contract)")
     rep = parser.add_argument_group("report")
     rep.add_argument("--smooth", type=int, metavar="STEPS",
                      help="moving-average window of the training curves (default: a tenth of the run)")
     rep.add_argument("--reference", metavar="GROUP", help="group the paired per-seed comparisons are against: a "
-                     "group name, an item of --objectives or an objective name (default: clip when compared, else the "
-                     "first group; a report setting: --report-only --reference X rebuilds)")
+                     "group name or an item of --objectives as written (default: clip when compared, else the first "
+                     "group; a report setting: --report-only --reference X rebuilds)")
 
 
 def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     """The settings of parsed arguments (checked as CompareSettings checks them); without --objectives, the experiment
     saved in --output-dir is reused, with its last reference unless --reference is given."""
     out, reference = Path(args.output_dir), args.reference
-    if args.hparam:
-        raise ValueError(f"--hparam was removed: give an objective's hyper-parameters in brackets with --objectives "
-                         f"({hparam_spelling(args.hparam[0])})")
-    given = {"--seeds": args.seeds, "--seed-list": args.seed_list, "--config": args.config, "--set": args.overrides,
-             "--sweep": args.sweep, "--no-share-sft": args.share_sft, "--eval-every": args.eval_every,
-             "--runs-dir": args.runs_dir}  # None when not given (given as 0 is given)
+    # the flags that define the experiment; one not given is None (one given as 0 is given)
+    given = {"--seeds": args.seeds, "--config": args.config, "--set": args.overrides, "--sweep": args.sweep,
+             "--no-share-sft": args.share_sft, "--eval-every": args.eval_every, "--runs-dir": args.runs_dir}
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
@@ -103,14 +84,12 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         reference = saved.get("reference") if reference is None else reference
     else:
         experiment = {"objectives": parse_objectives(args.objectives),
-                      "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds, args.seed_list),
+                      "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds),
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
                       "share_sft": args.share_sft is not False, "eval_every": args.eval_every,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
-    as_given = ("jobs", "threads_per_job", "redo_changed", "run_timeout", "dry_run", "report_only", "progress_every",
-                "pipeline", "smooth")
-    return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given},
-                           resume_partial=not args.restart_partial, reference=reference)
+    as_given = ("jobs", "threads_per_job", "redo_changed", "dry_run", "report_only", "pipeline", "smooth")
+    return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference)
 
 
 def run(args: argparse.Namespace) -> int:

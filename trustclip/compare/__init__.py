@@ -5,7 +5,6 @@ rerun without `--objectives`) reuses it."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -25,22 +24,15 @@ DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval
 EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 
-def hparam_spelling(item: str) -> str:
-    """How a `--hparam` item (an option that was removed) is written now: `--objectives "atr[delta=0.1]"`."""
-    name, _, setting = str(item).partition(".")
-    return f'--hparam {item} is --objectives "{name}[{setting}]"'
-
-
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
-    """The settings an earlier compare saved in `output_dir` (None when there are none). Those of a version that had
-    `--hparam` are read when they used none; otherwise the error says how to write them now."""
+    """The settings an earlier compare saved in `output_dir` (None when there are none); those of a version that had
+    `--hparam` are refused when they used it (they would plan other runs)."""
     saved = read_json(path := Path(output_dir) / SETTINGS_FILE)
     if not isinstance(saved, dict):
         return None
     if hparams := saved.pop("hparams", None):
         raise ValueError(f"{path} was saved with --hparam {' '.join(map(str, hparams))}, an option that was removed: "
-                         f"give the objectives' hyper-parameters in brackets with --objectives "
-                         f"({hparam_spelling(hparams[0])})")
+                         "give the hyper-parameters in brackets with --objectives, e.g. clip[epsilon=0.3]")
     return saved
 
 
@@ -72,12 +64,9 @@ class CompareSettings(Experiment):
     # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
-    resume_partial: bool = True
     redo_changed: bool = False
-    run_timeout: float | None = None
     dry_run: bool = False
     report_only: bool = False
-    progress_every: float = 30.0
     pipeline: str | None = None
     # the report
     smooth: int | None = None
@@ -87,10 +76,6 @@ class CompareSettings(Experiment):
         for name, least in (("jobs", 1), ("threads_per_job", 1), ("smooth", 1), ("eval_every", 0)):
             if (value := getattr(self, name)) is not None and value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-        for name in ("run_timeout", "progress_every"):
-            if (value := getattr(self, name)) is not None and not 0 < value < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give a number of seconds > 0"
-                                 + (" (or leave it out for no limit)" if name == "run_timeout" else ""))
 
     def experiment(self) -> dict[str, Any]:
         """The part that defines the runs (saved to compare.json)."""
@@ -168,9 +153,8 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         t0 = time.time()
         result = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
-                         threads=settings.threads_per_job, resume_partial=settings.resume_partial,
-                         redo_changed=settings.redo_changed, pipeline=settings.pipeline,
-                         run_timeout=settings.run_timeout, progress=say, progress_every=settings.progress_every)
+                         threads=settings.threads_per_job, redo_changed=settings.redo_changed,
+                         pipeline=settings.pipeline, progress=say)
         say(f"ran {len(result.finished)} run(s) in {time.time() - t0:.0f} s; {len(result.skipped)} were already "
             f"finished; {len(result.failed)} failed")
         if result.interrupted:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from trustclip.train.config import RUN_CONTROL, parse_value
+from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dotted, parse_value, set_dotted
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
@@ -56,10 +56,12 @@ class RunSpec:
 
     @property
     def group(self) -> str:
-        """Name of the (objective, sweep value) group that seeds are aggregated over."""
-        if self.kind == "sft" or self.sweep_key is None:
+        """Name of the (objective, sweep value) group that seeds are aggregated over; a swept value in short, stable
+        text (0.07 -> '0.07', 1e-05 -> '1e-05')."""
+        if self.sweep_key is None:
             return self.label
-        return f"{self.label}_{self.sweep_key}={format_value(self.sweep_value)}"
+        value = f"{self.sweep_value:g}" if isinstance(self.sweep_value, float) else self.sweep_value
+        return f"{self.label}_{self.sweep_key}={value}"
 
     @property
     def run_id(self) -> str:
@@ -85,11 +87,6 @@ class RunSpec:
                 "depends_on": dep.run_id if dep else None,
                 "start_model": os.path.relpath(dep.run_dir / "sft" / "final", self.run_dir) if dep else None,
                 "config": self.config}
-
-
-def format_value(value: Any) -> str:
-    """Short, stable text of a swept value: 0.07 -> '0.07', 1e-05 -> '1e-05'."""
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def canonical_text(value: Any) -> str:
@@ -145,21 +142,14 @@ def parse_objectives(text: str | Sequence[str]) -> list[str]:
 
 
 def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) -> str:
-    """The reference group among (group, label, objective) triples in plan order: `name` as a group name, an item of
-    --objectives (`clip[epsilon=0.3]`) or an objective name / alias (its group, or its one group without brackets);
-    by default the first group of objective `clip`, else the first."""
+    """The reference group among (group, label, objective) triples in plan order: `name` (whitespace ignored) as a
+    group name or an item of --objectives as written; by default the first group of objective `clip`, else the
+    first."""
     groups = list(dict.fromkeys(groups))
-    if not groups:
-        raise ValueError("no groups to compare")
     if name is None:
         return next((g for g, _, objective in groups if objective == "clip"), groups[0][0])
-    candidates = [g for g, _, _ in groups if g == name]
-    with contextlib.suppress(ValueError):  # not an item of --objectives: no other match
-        entry = parse_entry(name)
-        same = [(g, label) for g, label, objective in groups if objective == entry.spec.name]
-        plain = [g for g, label in same if "[" not in label]  # an objective name: its one such group, else all its
-        candidates = (candidates or [g for g, label in same if label == entry.label]
-                      or ([] if entry.kwargs else plain if len(plain) == 1 else [g for g, _ in same]))
+    written = re.sub(r"\s+", "", name)
+    candidates = [g for g, label, _ in groups if written in (g, label)]
     if len(candidates) == 1:
         return candidates[0]
     if candidates:
@@ -168,24 +158,16 @@ def resolve_reference(name: str | None, groups: Sequence[tuple[str, str, str]]) 
     raise ValueError(f"--reference {name!r} is not a compared group; groups: {', '.join(g for g, _, _ in groups)}")
 
 
-def parse_seeds(count: int | None = None, seed_list: str | None = None) -> list[int]:
-    """`count` seeds 0..count-1, or an explicit comma-separated list."""
-    if seed_list:
-        try:
-            seeds = [int(s) for s in seed_list.split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(f"--seed-list {seed_list!r}: expected integers like 0,1,2") from None
-        if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ValueError(f"--seed-list {seed_list!r}: need distinct non-negative integers")
-        return seeds
-    if count is None or isinstance(count, bool) or count < 1:
+def parse_seeds(count: int) -> list[int]:
+    """`--seeds N`: seeds 0..N-1."""
+    if isinstance(count, bool) or count < 1:
         raise ValueError(f"--seeds must be an integer >= 1, got {count!r}")
     return list(range(count))
 
 
 _LIST = "list the objectives with --objectives (an objective at other hyper-parameters: NAME[KEY=V])"
 NOT_SWEEPABLE = {  # settings --sweep cannot vary, and what varies them (and RUN_CONTROL: no run changes)
-    "rl.objective": _LIST, "objective": _LIST, "seed": "give the seeds with --seeds / --seed-list",
+    "rl.objective": _LIST, "objective": _LIST, "seed": "give the seeds with --seeds",
     "rl.objective_kwargs": "sweep one hyper-parameter by its name (--sweep delta=0.05,0.1), or list variants "
                            "NAME[KEY=V] in --objectives",
     "stages": "compare runs every stage; set them for all runs with --set stages=...",
@@ -227,9 +209,7 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
 
 def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
     """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
-    from trustclip.objectives import get_objective
-    from trustclip.objectives.registry import resolve_name
-    from trustclip.train.config import TrainConfig, from_dict, get_dotted, set_dotted
+    from trustclip.objectives.registry import get_objective, resolve_name
 
     option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
     kwargs = dict(entry.kwargs)

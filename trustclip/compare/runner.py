@@ -16,13 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trustclip.compare.plan import SPEC_FILE, RunSpec
 from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
+from trustclip.train.config import TrainConfig, from_dict
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK = "compare_log.jsonl", "worker.log", ".compare.lock"
 COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
@@ -48,7 +49,6 @@ def is_finished(spec: RunSpec) -> bool:
 def check_runs(runs: Sequence[RunSpec]) -> None:
     """Every run's configuration as `trustclip train` checks it (`check_run`), before any run starts."""
     from trustclip.train.checks import check_run
-    from trustclip.train.config import TrainConfig, from_dict
 
     for spec in {spec.fingerprint(): spec for spec in runs}.values():
         try:
@@ -70,11 +70,11 @@ def check_changed(runs: Sequence[RunSpec], redo_changed: bool = False) -> None:
         shutil.rmtree(spec.run_dir)
 
 
-def prepare_run_dir(spec: RunSpec, resume_partial: bool, pipeline: str | None = None) -> bool:
+def prepare_run_dir(spec: RunSpec, pipeline: str | None = None) -> bool:
     """Make the run directory ready to start; True when the run resumes earlier progress (state.json or a
     checkpoint is there), else what an earlier attempt left is removed."""
     run_dir = spec.run_dir
-    resume = resume_partial and run_dir.is_dir() and (
+    resume = run_dir.is_dir() and (
         (run_dir / "state.json").is_file() or any(p.is_dir() for p in run_dir.rglob("checkpoint-*")))
     if run_dir.is_dir() and not resume:
         shutil.rmtree(run_dir)
@@ -104,22 +104,21 @@ class Execution:
 
 
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
-            threads: int | None = None, resume_partial: bool = False, redo_changed: bool = False,
-            pipeline: str | None = None, run_timeout: float | None = None, progress: Callable[[str], None] = print,
-            progress_every: float = 30.0) -> Execution:
+            threads: int | None = None, redo_changed: bool = False, pipeline: str | None = None,
+            progress: Callable[[str], None] = print) -> Execution:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
     (SFT runs first; an RL run starts once its SFT run has ended); starts, finishes and failures go to
     `log_dir` (default `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling
-    thread prints progress and takes Ctrl-C. Safe to call again after any interruption."""
-    for name, value in (("jobs", jobs), ("threads", threads), ("run_timeout", run_timeout)):
+    thread takes Ctrl-C. Safe to call again after any interruption (a partial run resumes)."""
+    for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
     out, say = Execution(), progress
-    running: dict[str, tuple[subprocess.Popen, float]] = {}  # run id -> (worker, start time)
+    running: dict[str, subprocess.Popen] = {}  # run id -> its worker
     lock, stopping = threading.Lock(), threading.Event()  # `lock`: `out`, `running` and the log, across threads
     env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
@@ -142,36 +141,32 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
                 return
             if spec.depends_on is not None and not is_finished(spec.depends_on):
                 return fail(spec, f"its SFT run {spec.depends_on.run_id} failed")
-            resumed = prepare_run_dir(spec, resume_partial, pipeline)
+            resumed = prepare_run_dir(spec, pipeline)
             cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads),
                    *(["--resume"] if resumed else [])]
             with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
                 process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True, pass_fds=(lock_fd,))
-            running[spec.run_id] = (process, started := time.time())
+            running[spec.run_id], started = process, time.time()
             log("start", spec.run_id, pid=process.pid, resumed=resumed)
             say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
-        try:
-            process.wait(timeout=run_timeout)
-            reason = f"worker exited with code {process.returncode}"
-        except subprocess.TimeoutExpired:
-            _kill([process])
-            reason = f"timed out after {time.time() - started:.0f} s (--run-timeout)"
+        process.wait()
         seconds = time.time() - started
         with lock:
             del running[spec.run_id]
             if process.returncode == 0 and is_finished(spec):
                 out.finished.append(spec.run_id)
                 log("finish", spec.run_id, seconds=seconds)
-                say(f"< done  {spec.run_id} in {_clock(seconds)} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
+                clock = time.strftime("%H:%M:%S", time.gmtime(seconds))
+                say(f"< done  {spec.run_id} in {clock} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
             elif stopping.is_set():
                 log("interrupted", spec.run_id, seconds=seconds)
             else:
                 path = spec.run_dir / WORKER_LOG
                 lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
-                fail(spec, f"{reason}; log: {path}" + (f"; rerun to resume it, or delete {spec.run_dir} to start this "
-                                                       "run afresh" if resumed else ""),
-                     seconds=seconds, returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
+                again = f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""
+                fail(spec, f"worker exited with code {process.returncode}; log: {path}{again}", seconds=seconds,
+                     returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
 
     with acquire_compare_lock(Path(root)) as pool_lock, ThreadPoolExecutor(jobs, "compare-run") as pool:
         check_changed(runs, redo_changed)
@@ -189,23 +184,15 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):  # FIFO: an SFT run starts before its RL
                 sft = futures.get(spec.depends_on.run_id) if spec.depends_on else None
                 futures[spec.run_id] = pool.submit(run, spec, sft, pool_lock.fileno())
-            pending = set(futures.values())
-            while pending:
-                done, pending = wait(pending, timeout=progress_every, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    future.result()  # an error in a pool thread stops the compare
-                with lock:
-                    if running:
-                        now = time.time()
-                        say(f"  {len(out.finished) + len(out.skipped)}/{len(runs)} done, {len(out.failed)} failed; "
-                            "running: " + ", ".join(f"{r} ({_clock(now - t)})" for r, (_, t) in running.items()))
+            for future in as_completed(futures.values()):
+                future.result()  # an error in a pool thread stops the compare
         except KeyboardInterrupt:
             out.interrupted = True
             say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
         finally:
             stopping.set()  # no run starts now; those running are stopped, their threads log them as interrupted
             with lock:
-                processes = [process for process, _ in running.values()]
+                processes = list(running.values())
             _kill(processes)
             pool.shutdown(cancel_futures=True)
             for sig, handler in handlers.items():
@@ -220,9 +207,9 @@ def _stop(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _kill(processes: Sequence[subprocess.Popen], grace: float = KILL_GRACE) -> None:
-    """SIGTERM the workers' process groups, SIGKILL those still there after `grace` seconds."""
-    deadline = time.time() + grace
+def _kill(processes: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM the workers' process groups, SIGKILL those still there after KILL_GRACE seconds."""
+    deadline = time.time() + KILL_GRACE
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [process for process in processes if process.poll() is None]
         for process in alive:
@@ -233,15 +220,10 @@ def _kill(processes: Sequence[subprocess.Popen], grace: float = KILL_GRACE) -> N
                 process.wait(timeout=max(0.0, deadline - time.time()) if sig == signal.SIGTERM else None)
 
 
-def _clock(seconds: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(seconds))
-
-
 # ------------------------------------------------------------------------------------------------------ worker
 def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     """TrainConfig of the run, writing into `run_dir` (RL from the shared SFT run's model, if it has one)."""
     from trustclip.models import is_saved_model
-    from trustclip.train.config import TrainConfig, from_dict
 
     data = copy.deepcopy(spec["config"]) | {"output_dir": str(run_dir), "resume": resume}
     if spec.get("start_model"):
