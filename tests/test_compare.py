@@ -502,9 +502,9 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
     text = (fake_env / "report.md").read_text()
     slope = np.polyfit(np.log10(deltas), [average("kl3", 0, delta=d) for d in deltas], 1)[0]
     assert slope > 0  # the stand-in adds 2 * delta, the same on every seed
-    line = next(x for x in text.splitlines() if x.startswith("- atr - no trend, slope of held-out Mean@2, final"))
+    line = next(x for x in text.splitlines() if x.startswith("- atr - zero slope, slope of held-out Mean@2, final"))
     assert f"per tenfold delta: +{100 * slope:.1f} points" in line
-    assert line.endswith(": higher than no trend.") and f"n = {len(FIVE)}" in line
+    assert line.endswith(": higher than zero slope.") and f"n = {len(FIVE)}" in line
 
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
     """Five seeds of clip, atr and a clip variant: the paired table and results.json carry the intervals computed from

@@ -82,7 +82,7 @@ def test_sweep_trend_covers_a_known_slope_and_does_not_call_a_flat_one(slope):
     covered = called = 0
     for _ in range(EXPERIMENTS):
         d, log = sweep_trend(synthetic_sweep(rng, slope), group="atr", outcome="mean@K")
-        assert log and d.n == SEEDS and d.reference == "no trend"
+        assert log and d.n == SEEDS and d.reference == "zero slope"
         covered += d.low <= slope <= d.high
         called += d.verdict in ("higher", "lower")
     print(f"\nslope {slope}: covered in {covered / EXPERIMENTS:.1%}, called in {called / EXPERIMENTS:.1%}")

@@ -138,7 +138,7 @@ def log_scale(values: Sequence[float]) -> bool:
 def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group: str,
                 outcome: str) -> tuple[Difference, bool]:
     """One test for a whole sweep, not k(k-1)/2 pairs: per seed with every value, the least-squares slope of the
-    outcome on log10(value) if `log_scale` (else on the value), as a `Difference` against "no trend"; and `log`."""
+    outcome on log10(value) if `log_scale` (else on the value), as a `Difference` against "zero slope"; and `log`."""
     values = sorted(float(v) for v in outcome_by_value)
     if len(values) < 3:
         raise ValueError(f"a sweep trend needs at least 3 swept values, got {len(values)}")
@@ -147,4 +147,4 @@ def sweep_trend(outcome_by_value: Mapping[float, Mapping[int, float]], *, group:
     seeds = sorted(set.intersection(*({s for s, y in outcome_by_value[v].items() if y is not None and math.isfinite(y)}
                                       for v in values)))
     slopes = [np.polyfit(x, [outcome_by_value[v][s] for v in values], 1)[0] for s in seeds]
-    return _difference(group, "no trend", outcome, seeds, slopes), log
+    return _difference(group, "zero slope", outcome, seeds, slopes), log
