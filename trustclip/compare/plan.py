@@ -21,13 +21,8 @@ from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dott
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
-
-
-class Sweep(NamedTuple):
-    """One swept setting: an objective hyper-parameter (`delta`) or, with a dot, a training option of every run."""
-
-    key: str
-    values: tuple[Any, ...]
+# (key, values) of `--sweep`: an objective hyper-parameter (`delta`) or, with a dot, a training option of every run
+Sweep = tuple[str, tuple[Any, ...]]
 
 
 class Entry(NamedTuple):
@@ -176,7 +171,7 @@ NOT_SWEEPABLE = {  # settings --sweep cannot vary, and what varies them (and RUN
 
 
 def parse_sweep(text: str | None) -> Sweep | None:
-    """'delta=0.03,0.05' -> Sweep('delta', (0.03, 0.05))."""
+    """'delta=0.03,0.05' -> ('delta', (0.03, 0.05))."""
     if not text:
         return None
     key, sep, raw = text.partition("=")
@@ -192,7 +187,7 @@ def parse_sweep(text: str | None) -> Sweep | None:
         raise ValueError(f"--sweep {text!r}: values must be numbers, strings or booleans")
     if len(set(map(repr, values))) != len(values):
         raise ValueError(f"--sweep {text!r}: repeated values")
-    return Sweep(key, values)
+    return key, values
 
 
 # ----------------------------------------------------------------------------------------------- planning
@@ -207,17 +202,17 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
     return load_config(recipe, list(overrides)).to_dict()
 
 
-def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None, value: Any, root: Path) -> RunSpec:
-    """The run of `entry` at `seed` (and swept `value`), its config validated by TrainConfig itself."""
+def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | None, value: Any, root: Path) -> RunSpec:
+    """The run of `entry` at `seed` (and `value` of `sweep_key`), its config validated by TrainConfig itself."""
     from trustclip.objectives.registry import get_objective, resolve_name
 
-    option = sweep is not None and "." in sweep.key  # a swept training option, else a swept hyper-parameter
+    option = sweep_key is not None and "." in sweep_key  # a swept training option, else a swept hyper-parameter
     kwargs = dict(entry.kwargs)
-    if sweep is not None and not option:
-        if sweep.key in kwargs:  # one of the two values would be silently unused
-            raise ValueError(f"--sweep {sweep.key}: the variant {entry.label!r} sets {sweep.key} itself; sweep it or "
+    if sweep_key is not None and not option:
+        if sweep_key in kwargs:  # one of the two values would be silently unused
+            raise ValueError(f"--sweep {sweep_key}: the variant {entry.label!r} sets {sweep_key} itself; sweep it or "
                              "set it, not both")
-        kwargs[sweep.key] = value
+        kwargs[sweep_key] = value
     ours = base["rl"].get("objective") and resolve_name(base["rl"]["objective"]).name == entry.spec.name
     recipe = dict(base["rl"].get("objective_kwargs") or {}) if ours else {}  # the recipe's, for its own objective
     try:
@@ -232,7 +227,7 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None
                  for key, v in (recipe | kwargs).items()}
     data = copy.deepcopy(base)
     if option:
-        set_dotted(data, sweep.key, value)
+        set_dotted(data, sweep_key, value)
     data["seed"] = seed
     data["rl"] |= {"objective": objective.name,
                    "objective_kwargs": {k: v for k, v in canonical.items() if k in recipe or v != params[k].default}}
@@ -248,10 +243,10 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep: Sweep | None
     unswept = None
     if option:
         with contextlib.suppress(KeyError, TypeError):  # an option the recipe does not have
-            unswept = get_dotted(base, sweep.key)
-        if get_dotted(config, sweep.key) != unswept:
-            parts.append(f"{sweep.key}={canonical_text(value)}")
-    return RunSpec(entry.label, objective.name, seed, hparams, config, sweep.key if sweep else None, value, root,
+            unswept = get_dotted(base, sweep_key)
+        if get_dotted(config, sweep_key) != unswept:
+            parts.append(f"{sweep_key}={canonical_text(value)}")
+    return RunSpec(entry.label, objective.name, seed, hparams, config, sweep_key, value, root,
                    folder=re.sub(r"[^A-Za-z0-9._=+-]", "-", "_".join(parts)))
 
 
@@ -263,15 +258,16 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
     entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")
-    # (entry, swept or None): a hyper-parameter sweep applies to the objectives that have it, the others run once
-    groups = [(e, sweep if sweep and ("." in sweep.key or sweep.key in e.spec.params) else None) for e in entries]
-    if sweep is not None and not any(swept for _, swept in groups):
+    key, values = sweep or (None, ())
+    # (entry, swept key or None): a hyper-parameter sweep applies to the objectives that have it, the others run once
+    groups = [(e, key if key and ("." in key or key in e.spec.params) else None) for e in entries]
+    if key is not None and not any(swept for _, swept in groups):
         have = "; ".join(f"{e.label}: {', '.join(e.spec.params) or 'none'}" for e in entries)
-        raise ValueError(f"--sweep {sweep.key}: no compared objective has a hyper-parameter {sweep.key!r} "
+        raise ValueError(f"--sweep {key}: no compared objective has a hyper-parameter {key!r} "
                          f"({have}); use a dotted key such as rl.learning_rate for a training option")
     base, root = base if base is not None else base_config(None, overrides), Path(root)
     runs = [_make_run(entry, seed, base, swept, value, root)
-            for seed in seeds for entry, swept in groups for value in (swept.values if swept else (None,))]
+            for seed in seeds for entry, swept in groups for value in (values if swept else (None,))]
     seen: dict[Path, RunSpec] = {}  # a directory follows from the settings: two groups in one train the same runs
     for spec in runs:
         if (other := seen.setdefault(spec.run_dir, spec)) is not spec:
