@@ -67,33 +67,30 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
     window = window or default_window(max((len(s[0]) for g in groups for r in g.runs for s in r.series.values()),
                                           default=1))
     rows: list[dict[str, Any]] = []
+    paths: list[Path] = []
 
-    def panels(name: str, xlabel: str, ylabel: str | None, points: Callable[..., PerSeed],
-               specs: Sequence[tuple[str, tuple]], logx: bool = False) -> list[dict[str, Any]]:
-        """A panel per (title, args of `points`) that some group has data for (ylabel None: the title)."""
+    def figure(name: str, title: str, ncols: int, xlabel: str, ylabel: str | None, points: Callable[..., PerSeed],
+               specs: Sequence[tuple[str, tuple]], logx: bool = False) -> None:
+        """`name`.png and its rows: a panel per (title, args of `points`) that some group has data for (ylabel None:
+        the panel's title)."""
         made = []
-        for title, args in specs:
+        for panel, args in specs:
             bands = {g.group: b for g in groups if (b := band(points(g, *args)))}
-            rows.extend({"figure": name, "panel": title, "group": group, "x": float(x), "mean": float(m),
+            rows.extend({"figure": name, "panel": panel, "group": group, "x": float(x), "mean": float(m),
                          "std": float(s), "n_seeds": b.n}
                         for group, b in bands.items() for x, m, s in zip(b.x, b.mean, b.std, strict=True))
             if bands:
-                made.append({"title": title, "xlabel": xlabel, "ylabel": ylabel or title, "logx": logx, "bands": bands})
-        return made
+                made.append({"title": panel, "xlabel": xlabel, "ylabel": ylabel or panel, "logx": logx, "bands": bands})
+        if made:
+            paths.append(plot_bands(out / f"{name}.png", made, title, ncols))
 
-    paths = []
-    if training := panels("training_curves", "RL step", None, series_points,
-                          [(label, (key, window)) for key, (label, *_) in SERIES.items()]):
-        paths.append(plot_bands(out / "training_curves.png", training, "Training curves: mean ± std over seeds, "
-                                f"moving average over {window} steps", ncols=4))
-    if evals := panels("eval_vs_step", "RL step", "accuracy", eval_points,
-                       [(f"{title_of(s)} {m.capitalize()}", (s, m)) for m in metrics for s in splits]):
-        paths.append(plot_bands(out / "eval_vs_step.png", evals, "Held-out accuracy during RL (step 0: RL start), "
-                                "mean ± std", ncols=len(splits)))
-    if at_k := panels("at_k", "k", "accuracy", at_k_points, [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind))
-                                                              for kind in ("mean", "pass") for s in splits], logx=True):
-        paths.append(plot_bands(out / "at_k.png", at_k, "Mean@k and Pass@k of the final policy vs k, mean ± std",
-                                ncols=len(splits)))
+    figure("training_curves", f"Training curves: mean ± std over seeds, moving average over {window} steps", 4,
+           "RL step", None, series_points, [(label, (key, window)) for key, (label, *_) in SERIES.items()])
+    figure("eval_vs_step", "Held-out accuracy during RL (step 0: RL start), mean ± std", len(splits), "RL step",
+           "accuracy", eval_points, [(f"{title_of(s)} {m.capitalize()}", (s, m)) for m in metrics for s in splits])
+    at_k = [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind)) for kind in ("mean", "pass") for s in splits]
+    figure("at_k", "Mean@k and Pass@k of the final policy vs k, mean ± std", len(splits), "k", "accuracy", at_k_points,
+           at_k, logx=True)
     if swept := [g for g in groups if g.sweep_key is not None]:
         avg = splits[-1]
         sweep = [(f"{title_of(avg)} {m.capitalize()} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
