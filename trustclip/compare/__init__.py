@@ -151,14 +151,10 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
             **settings.experiment(), "base_config": settings.base_config(), "reference": settings.reference,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        t0 = time.time()
-        result = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
-                         threads=settings.threads_per_job, redo_changed=settings.redo_changed,
-                         pipeline=settings.pipeline, progress=say)
-        say(f"ran {len(result.finished)} run(s) in {time.time() - t0:.0f} s; {len(result.skipped)} were already "
-            f"finished; {len(result.failed)} failed")
-        if result.interrupted:
+        failed, interrupted = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
+                                      threads=settings.threads_per_job, redo_changed=settings.redo_changed,
+                                      pipeline=settings.pipeline, progress=say)
+        if interrupted:
             return 130
-        failed = result.failed
     build_report(settings, runs, failed, reference, say)
     return 0 if all(is_finished(r) for r in runs) else 1

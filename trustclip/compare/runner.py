@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,33 +92,25 @@ def acquire_compare_lock(root: Path) -> Any:
     return handle
 
 
-@dataclass
-class Execution:
-    """What `execute` did: run ids finished now, finished before, failed (with reasons); stopped by a signal."""
-
-    finished: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
-    interrupted: bool = False
-
-
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
             threads: int | None = None, redo_changed: bool = False, pipeline: str | None = None,
-            progress: Callable[[str], None] = print) -> Execution:
+            progress: Callable[[str], None] = print) -> tuple[dict[str, str], bool]:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
     `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
     (SFT runs first; an RL run starts once its SFT run has ended); starts, finishes and failures go to
     `log_dir` (default `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling
-    thread takes Ctrl-C. Safe to call again after any interruption (a partial run resumes)."""
+    thread takes Ctrl-C. Safe to call again after any interruption (a partial run resumes). Returns the failed runs
+    (run id -> why) and whether a signal stopped it."""
     for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
-    out, say = Execution(), progress
+    finished, failed, say = [], {}, progress  # run ids finished by this call; failed ones -> why
+    interrupted, t0 = False, time.time()
     running: dict[str, subprocess.Popen] = {}  # run id -> its worker
-    lock, stopping = threading.Lock(), threading.Event()  # `lock`: `out`, `running` and the log, across threads
+    lock, stopping = threading.Lock(), threading.Event()  # `lock`: the run lists, `running` and the log
     env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
 
@@ -128,7 +119,7 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
                                                         "run": run_id, **extra})
 
     def fail(spec: RunSpec, reason: str, **extra: Any) -> None:
-        out.failed[spec.run_id] = reason
+        failed[spec.run_id] = reason
         log("fail", spec.run_id, reason=reason, **extra)
         tail = extra.get("tail")
         say(f"! FAILED {spec.run_id}: {reason}" + ("\n    " + tail.replace("\n", "\n    ") if tail else ""))
@@ -155,10 +146,10 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         with lock:
             del running[spec.run_id]
             if process.returncode == 0 and is_finished(spec):
-                out.finished.append(spec.run_id)
+                finished.append(spec.run_id)
                 log("finish", spec.run_id, seconds=seconds)
                 clock = time.strftime("%H:%M:%S", time.gmtime(seconds))
-                say(f"< done  {spec.run_id} in {clock} [{len(out.finished) + len(out.skipped)}/{len(runs)}]")
+                say(f"< done  {spec.run_id} in {clock} [{len(finished) + len(skipped)}/{len(runs)}]")
             elif stopping.is_set():
                 log("interrupted", spec.run_id, seconds=seconds)
             else:
@@ -170,11 +161,11 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
 
     with acquire_compare_lock(Path(root)) as pool_lock, ThreadPoolExecutor(jobs, "compare-run") as pool:
         check_changed(runs, redo_changed)
-        out.skipped = [spec.run_id for spec in runs if is_finished(spec)]
-        todo = [spec for spec in runs if spec.run_id not in out.skipped]
-        for run_id in out.skipped:
+        skipped = [spec.run_id for spec in runs if is_finished(spec)]
+        todo = [spec for spec in runs if spec.run_id not in skipped]
+        for run_id in skipped:
             log("skip", run_id)
-        say(f"{len(runs)} runs: {len(out.skipped)} already finished, {len(todo)} to run ({jobs} in parallel, "
+        say(f"{len(runs)} runs: {len(skipped)} already finished, {len(todo)} to run ({jobs} in parallel, "
             f"{threads} torch thread(s) each)")
         handlers = {}
         with contextlib.suppress(ValueError):  # not the main thread: no handlers
@@ -187,7 +178,7 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             for future in as_completed(futures.values()):
                 future.result()  # an error in a pool thread stops the compare
         except KeyboardInterrupt:
-            out.interrupted = True
+            interrupted = True
             say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
         finally:
             stopping.set()  # no run starts now; those running are stopped, their threads log them as interrupted
@@ -197,7 +188,9 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             pool.shutdown(cancel_futures=True)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
-    return out
+    say(f"ran {len(finished)} run(s) in {time.time() - t0:.0f} s; {len(skipped)} were already finished; "
+        f"{len(failed)} failed")
+    return failed, interrupted
 
 
 def _stop(*_: Any) -> None:
