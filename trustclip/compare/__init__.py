@@ -104,8 +104,8 @@ class CompareSettings(Experiment):
 
 
 def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str], reference: str,
-                 say: Callable[[str], None]) -> dict[str, Path] | None:
-    """Report on the finished runs of the plan (None when none has finished); unreadable runs join `failed`."""
+                 say: Callable[[str], None]) -> None:
+    """Report on the finished runs of the plan, if any has finished; unreadable runs join `failed`."""
     records, rl = [], [s for s in runs if s.kind == "rl"]
     for spec in filter(is_finished, rl):
         try:
@@ -115,12 +115,11 @@ def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[st
             say(f"! {spec.run_id}: {err}")
     if not records:
         say("no finished runs yet: no report written")
-        return None
+        return
     paths = write_report(records, group_runs(records), settings.output_dir, settings=settings.experiment(),
                          planned=rl, failed=failed, window=settings.smooth, reference=reference,
                          sft_runs=[s for s in runs if s.kind == "sft"])
     say(f"report: {paths['report']} ({len(records)}/{len(rl)} runs; {len(paths) - 4} figures)")
-    return paths
 
 
 def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -> int:
