@@ -95,12 +95,11 @@ def acquire_compare_lock(root: Path) -> Any:
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
             threads: int | None = None, redo_changed: bool = False, pipeline: str | None = None,
             progress: Callable[[str], None] = print) -> tuple[dict[str, str], bool]:
-    """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with
-    `threads` torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order
-    (SFT runs first; an RL run starts once its SFT run has ended); starts, finishes and failures go to
-    `log_dir` (default `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling
-    thread takes Ctrl-C. Safe to call again after any interruption (a partial run resumes). Returns the failed runs
-    (run id -> why) and whether a signal stopped it."""
+    """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with `threads`
+    torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order (SFT runs
+    first; an RL run starts once its SFT run has ended); starts, finishes and failures go to `log_dir` (default
+    `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling thread takes Ctrl-C.
+    Safe to call again after any interruption (a partial run resumes). Returns ({failed run id: why}, interrupted)."""
     for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
