@@ -47,9 +47,7 @@ class Experiment:
     sweep: str | None = None
     share_sft: bool = True
     eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
-    # where runs/ is: a pool several compares share (a run with the same settings is made once, every compare starts
-    # RL from the same SFT model per seed); None: output_dir
-    runs_dir: str | None = None
+    runs_dir: str | None = None  # where runs/ is: a pool that several compares share (--runs-dir); None: output_dir
 
 
 EXPERIMENT_KEYS = tuple(f.name for f in fields(Experiment))  # compare.json
@@ -78,7 +76,6 @@ class CompareSettings(Experiment):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
 
     def experiment(self) -> dict[str, Any]:
-        """The part that defines the runs (saved to compare.json)."""
         return {k: v for k, v in asdict(self).items() if k in EXPERIMENT_KEYS}
 
     def base_config(self) -> dict[str, Any]:
