@@ -163,3 +163,24 @@ def test_load_benchmarks_refuses_a_name_given_twice():
 
     with pytest.raises(ValueError, match="benchmark name 'amc_like' given twice"):
         load_benchmarks(from_dict(TrainConfig, {"data": {"eval": ["builtin", "amc_like=builtin:amc_like"]}}))
+
+
+def test_a_huge_number_in_a_json_array_names_its_line(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_text('[\n {"problem": "1+1", "answer": "2"},\n {"problem": "x", "answer": ' + HUGE + "}\n]\n")
+    with pytest.raises(DataFormatError, match=r"big\.json:3: invalid JSON value \(Exceeds the limit"):
+        load_prompts(path)
+
+
+def test_text_after_a_json_array_is_named_at_its_line(tmp_path):
+    """A multi-line array and then more is no JSON Lines file: the error names where the extra text starts."""
+    path = tmp_path / "trailing.json"
+    path.write_text('[\n {"problem": "1+1", "answer": "2"}\n]\n{"problem": "x", "answer": "3"}\n')
+    with pytest.raises(DataFormatError, match=r"trailing\.json:4: invalid JSON \(Extra data at column 1\)"):
+        load_prompts(path)
+
+
+def test_a_data_file_under_home_loads_as_check_source_reads_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "b.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    assert [row["answer"] for row in load_prompts("~/b.jsonl")] == ["2"]

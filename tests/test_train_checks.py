@@ -556,3 +556,13 @@ def test_periodic_eval_callback_with_every_0_never_evaluates():
     callback = PeriodicEvalCallback(trainer=None, every=0, evaluate_fn=lambda *a, **k: calls.append(k))
     callback.on_step_end(None, SimpleNamespace(global_step=4), None)
     assert calls == []
+
+
+def test_resume_takes_only_checkpoint_n_folders(tmp_path):
+    """A user's `checkpoint-10-old` backup is no checkpoint of the run (transformers' sort_checkpoints lists it)."""
+    from trustclip.train.stages import last_checkpoint
+
+    (tmp_path / "checkpoint-10-old").mkdir()
+    said: list[str] = []
+    assert last_checkpoint(tmp_path, said.append) is None
+    assert said == []

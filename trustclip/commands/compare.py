@@ -77,6 +77,10 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
+        if hparams := saved.get("hparams"):  # a removed option: reused without it, the runs would be others
+            raise ValueError(f"{out / SETTINGS_FILE} was saved with --hparam {' '.join(map(str, hparams))}, an option "
+                             "that was removed: give the hyper-parameters in brackets with --objectives, e.g. "
+                             "clip[epsilon=0.3]")
         if flags := [flag for flag, value in given.items() if value is not None]:
             raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")

@@ -25,15 +25,9 @@ EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval a
 
 
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
-    """The settings an earlier compare saved in `output_dir` (None when there are none); those of a version that had
-    `--hparam` are refused when they used it (they would plan other runs)."""
-    saved = read_json(path := Path(output_dir) / SETTINGS_FILE)
-    if not isinstance(saved, dict):
-        return None
-    if hparams := saved.pop("hparams", None):
-        raise ValueError(f"{path} was saved with --hparam {' '.join(map(str, hparams))}, an option that was removed: "
-                         "give the hyper-parameters in brackets with --objectives, e.g. clip[epsilon=0.3]")
-    return saved
+    """The settings an earlier compare saved in `output_dir` (None when there are none)."""
+    saved = read_json(Path(output_dir) / SETTINGS_FILE)
+    return saved if isinstance(saved, dict) else None
 
 
 @dataclass(kw_only=True)

@@ -120,7 +120,8 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
             for o in (PRIMARY, OUTCOME["pass@K"]):
                 d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
                 per = f"tenfold {members[0].sweep_key}" if log else f"unit of {members[0].sweep_key}"
-                out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
+                if d.n:  # no seed has every swept value yet: no slope to state
+                    out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
     if intervals := sum(d.n >= 2 for d in diffs):
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "

@@ -16,6 +16,7 @@ before any training starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -56,8 +57,8 @@ def load_prompts(source: str | os.PathLike, *, split: str = "train", subset: str
     source_str = str(source)
     if source_str.startswith(BUILTIN_PREFIX):
         rows = _load_builtin(source_str[len(BUILTIN_PREFIX) :], seed)
-    elif Path(source_str).exists():
-        rows = _load_file(Path(source_str), keys)
+    elif (path := Path(source_str).expanduser()).exists():  # `~` as check_source reads it
+        rows = _load_file(path, keys)
     elif Path(source_str).suffix.lower() in FILE_SUFFIXES or source_str.startswith((".", "/", "~")):
         raise FileNotFoundError(f"data file not found: {source_str}")
     else:
@@ -223,10 +224,14 @@ def _iter_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         obj = json.loads(text)
     except ValueError as err:
-        if getattr(err, "msg", None) == "Extra data":  # a valid first value, then more: JSON Lines
-            yield from _iter_jsonl(path)
+        if getattr(err, "msg", None) == "Extra data" and "\n" not in text[:err.pos].rstrip():
+            yield from _iter_jsonl(path)  # a one-line first value, then more: JSON Lines
             return
-        raise _bad_json(path, err) from None
+        lines: list[int] = []  # a value error (e.g. a 5000-digit integer) in an array: its element's line
+        if not isinstance(err, json.JSONDecodeError) and text.lstrip().startswith("["):
+            with contextlib.suppress(ValueError):
+                lines.extend(_element_lines(text))  # up to the element it stops at
+        raise _bad_json(path, err, lines[-1] if lines else None) from None
     if isinstance(obj, list):
         yield from ((f"{path}:{line}", rec) for line, rec in zip(_element_lines(text), obj, strict=True))
         return

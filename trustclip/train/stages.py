@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +79,8 @@ def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, out: Path, pri
 def last_checkpoint(folder: Path, printer: Printer = print) -> str | None:
     """The newest complete `checkpoint-N` in `folder` (None: there is none). A kill can leave the newest one half
     written (HF Trainer writes its files in place, trainer_state.json last): it is skipped, and said so."""
-    checkpoints = sort_checkpoints(str(folder))  # by step, as the Trainer's own rotation orders them
+    # by step, as the Trainer's own rotation orders them; only exact `checkpoint-N` names (not a `checkpoint-10-old`)
+    checkpoints = [p for p in sort_checkpoints(str(folder)) if re.fullmatch(r"checkpoint-\d+", Path(p).name)]
     for path in reversed(checkpoints):
         problem = checkpoint_problem(Path(path))
         if problem is None:
