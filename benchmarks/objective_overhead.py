@@ -15,7 +15,7 @@ gates: unconstrained, clip, clip_higher, dual_clip, kl1, kl2, kl3, is_kl3, atr_a
 atr_seq. The others need more per token: dcpo and trgppo bounds from the old token probability (trgppo solves them
 by Newton's method), truly_ppo a full-vocabulary KL input, clip_cov / kl_cov a batch covariance and a selection.
 
-    python benchmarks/objective_overhead.py [--batch 16] [--length 1024] [--repeats 30]
+    python benchmarks/objective_overhead.py [--batch 16] [--length 1024] [--repeats 30] [--device cuda]
 """
 
 from __future__ import annotations
@@ -40,9 +40,12 @@ def inline_dapo(logp, old_logp, adv, mask):
 
 def time_call(fn, logp) -> float:
     x = logp.detach().clone().requires_grad_(True)
+    sync = torch.cuda.synchronize if logp.is_cuda else (lambda: None)  # a GPU call returns before its kernels end
+    sync()
     start = time.perf_counter()
     loss = fn(x)
     loss.backward()
+    sync()
     return time.perf_counter() - start
 
 
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="torch device of the batch, e.g. cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -61,9 +65,11 @@ def main() -> None:
     adv = torch.randn(args.batch, generator=gen)
     mask = (torch.arange(args.length)[None] < torch.randint(1, args.length + 1, (args.batch,), generator=gen)[:, None])
     extras = {"entropy": torch.rand(shape, generator=gen), "full_kl": torch.rand(shape, generator=gen) * 0.05}
+    old, logp, adv, mask = (t.to(args.device) for t in (old, logp, adv, mask))
+    extras = {k: v.to(args.device) for k, v in extras.items()}
     baseline = lambda x: inline_dapo(x, old, adv, mask.float())  # noqa: E731
 
-    print(f"batch {shape}, {int(mask.sum())} valid tokens, {torch.get_num_threads()} thread(s), "
+    print(f"batch {shape} on {args.device}, {int(mask.sum())} valid tokens, {torch.get_num_threads()} thread(s), "
           f"median of {args.repeats} interleaved forward+backward calls")
     print(f"{'objective':<14} {'loss ms':>8} {'+metrics ms':>11} {'inline ms':>9} {'ratio':>6} {'+metrics':>8}")
     worst = [0.0, 0.0]
