@@ -281,7 +281,7 @@ def test_a_compare_json_saved_with_the_removed_hparam_option(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("removed", [["--hparam", "atr.delta=0.1"], ["--seed-list", "0,1"], ["--run-timeout", "60"],
-                                     ["--progress-every", "5"], ["--restart-partial"]])
+                                     ["--progress-every", "5"], ["--restart-partial"], ["--redo-changed"]])
 def test_removed_flags_are_refused(tmp_path, capsys, removed):
     args = ["compare", "--objectives", "atr", *removed, "--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:
@@ -411,7 +411,8 @@ def finish_in_process(settings: CompareSettings, monkeypatch) -> list:
     runs = settings.plan()
     for spec in runs:  # plan order: each seed's SFT run before the RL runs that start from it
         prepare_run_dir(spec, pipeline=settings.pipeline)
-        assert worker.run_worker(spec.run_dir) == 0
+        worker.run_worker(spec.run_dir)
+        assert worker.is_finished(spec)
     return runs
 
 
@@ -554,7 +555,7 @@ def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=(0, 1, 2, 3))
     runs = finish_in_process(settings, monkeypatch)
-    markers = {spec.run_id: (spec.run_dir / "run_complete.json").stat().st_mtime_ns for spec in runs}
+    markers = {spec.run_id: (spec.run_dir / "summary.json").stat().st_mtime_ns for spec in runs}
     write_json_atomic(fake_env / "compare.json", settings.experiment())  # as a compare saves it, for the CLI
     base = ["compare", "--output-dir", str(fake_env), "--report-only"]
     assert cli_main([*base, "--reference", "clip[ epsilon = 0.3 ]"]) == 0
@@ -573,7 +574,7 @@ def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):
     assert run_compare(settings, say=lambda s: None) == 0
     assert started(events(fake_env, n)) == []
     assert "## Paired comparisons against atr" in (fake_env / "report.md").read_text()
-    assert {spec.run_id: (spec.run_dir / "run_complete.json").stat().st_mtime_ns for spec in runs} == markers
+    assert {spec.run_id: (spec.run_dir / "summary.json").stat().st_mtime_ns for spec in runs} == markers
 
 
 def test_failed_run_does_not_stop_the_others(fake_env, monkeypatch):
@@ -596,7 +597,7 @@ def test_changed_settings_are_not_mixed(fake_env):
     changed.overrides = [*changed.overrides, "rl.learning_rate=0.001"]
     with pytest.raises(ChangedRunError, match="different settings"):
         run_compare(changed, say=lambda s: None)
-    changed.redo_changed = True
+    shutil.rmtree(out / "runs" / "clip" / "seed0")  # what the message asks for: delete the run to redo it
     n = len(events(out))
     assert run_compare(changed, say=lambda s: None) == 0
     assert started(events(out, n)) == ["clip/seed0"]
@@ -608,7 +609,7 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
     pool = fake_env.parent / "pool"
     first = fake_settings(fake_env / "first", objectives=("clip", "atr"), seeds=(0, 1), runs_dir=str(pool))
     assert run_compare(first, say=lambda s: None) == 0
-    assert (pool / "runs" / "clip" / "seed0" / "run_complete.json").is_file()
+    assert (pool / "runs" / "clip" / "seed0" / "summary.json").is_file()
     assert not (fake_env / "first" / "runs").exists()
     second = fake_settings(fake_env / "second", objectives=("clip", "sapo"), seeds=(0, 1), runs_dir=str(pool))
     assert run_compare(second, say=lambda s: None) == 0
@@ -645,14 +646,14 @@ def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
 
 
 def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(fake_env):
-    """A group changed by its brackets does not land in (or, with --redo-changed, delete) another compare's plain
-    run; the same settings written three ways are made once."""
+    """A group changed by its brackets does not land in (or delete) another compare's plain run; the same settings
+    written three ways are made once."""
     pool = fake_env.parent / "pool"
     changed = fake_settings(fake_env / "changed", objectives=("atr[delta=0.2]",), seeds=(0,), runs_dir=str(pool))
     assert run_compare(changed, say=lambda s: None) == 0
-    made = pool / "runs" / "kl3_delta=0.2" / "seed0" / "run_complete.json"
+    made = pool / "runs" / "kl3_delta=0.2" / "seed0" / "summary.json"
     mtime = made.stat().st_mtime_ns
-    plain = fake_settings(fake_env / "plain", objectives=("atr",), seeds=(0,), runs_dir=str(pool), redo_changed=True)
+    plain = fake_settings(fake_env / "plain", objectives=("atr",), seeds=(0,), runs_dir=str(pool))
     assert run_compare(plain, say=lambda s: None) == 0
     assert started(events(fake_env / "plain")) == ["atr/seed0"]
     assert made.stat().st_mtime_ns == mtime  # the other compare's run is untouched
@@ -676,7 +677,7 @@ def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     while not (killed_dir / "calls.txt").is_file():
         assert time.time() < deadline and proc.poll() is None, "the second run never started"
         time.sleep(0.2)
-    first_marker = out / "runs" / "clip" / "seed0" / "run_complete.json"
+    first_marker = out / "runs" / "clip" / "seed0" / "summary.json"
     mtime = first_marker.stat().st_mtime_ns
     worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
     proc.send_signal(signal.SIGKILL)
@@ -685,7 +686,7 @@ def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     while _alive(worker_pid):
         assert time.time() < deadline, "the orphaned worker kept running after the compare was killed"
         time.sleep(0.2)
-    assert not (killed_dir / "run_complete.json").exists()
+    assert not (killed_dir / "summary.json").exists()
     n = len(events(out))
     result = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -697,6 +698,27 @@ def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     assert calls == ["resume=False", "resume=True"]
     assert first_marker.stat().st_mtime_ns == mtime
     assert "2 already finished, 1 to run" in result.stdout
+
+
+def test_ctrl_c_stops_the_running_workers(fake_env):
+    """SIGINT (Ctrl-C) while a run is in progress: the compare stops its worker, logs the run as interrupted and
+    exits 130."""
+    out = fake_env
+    cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "clip,atr", "--seeds", "1",
+           "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_DELAY_kl3": "60"}, stdout=subprocess.PIPE, text=True)
+    running = out / "runs" / "kl3" / "seed0" / "calls.txt"
+    deadline = time.time() + 120
+    while not running.is_file():
+        assert time.time() < deadline and proc.poll() is None, "the run never started"
+        time.sleep(0.2)
+    worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert "interrupted: stopping 1 running run(s)" in proc.stdout.read()
+    assert not _alive(worker_pid)
+    assert [r["run"] for r in events(out) if r["event"] == "interrupted"] == ["atr/seed0"]
+    assert not (out / "runs" / "kl3" / "seed0" / "summary.json").exists()  # a rerun resumes it (test above)
 
 
 def _alive(pid: int) -> bool:
@@ -814,10 +836,10 @@ def test_end_to_end_every_file_and_cell(tiny_compare):
 def test_end_to_end_rerun_redoes_only_the_unfinished_run(tiny_compare):
     out, settings, _ = tiny_compare
     markers = {p.parent.relative_to(out / "runs").as_posix(): p
-               for p in (out / "runs").glob("*/seed*/run_complete.json")}
+               for p in (out / "runs").glob("*/seed*/summary.json")}
     assert sorted(markers) == ["_sft/seed0", "_sft/seed1", "clip/seed0", "clip/seed1", "kl3/seed0", "kl3/seed1"]
     mtimes = {k: p.stat().st_mtime_ns for k, p in markers.items()}
-    markers["kl3/seed1"].unlink()  # as if the compare had been killed before atr/seed1 was marked finished
+    markers["kl3/seed1"].unlink()  # as if the compare had been killed before atr/seed1's pipeline ended
     n = len(events(out))
     assert run_compare(settings, say=lambda s: None) == 0
     rerun = events(out, n)

@@ -53,8 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "all start RL from one SFT model per seed")
     where.add_argument("--jobs", type=int, help="parallel runs (default min(2, cores))")
     where.add_argument("--threads-per-job", type=int, help="torch threads per run (default cores // jobs)")
-    where.add_argument("--redo-changed", action="store_true",
-                       help="delete and redo runs whose directory was made with different settings")
     where.add_argument("--dry-run", action="store_true", help="print the plan (runs, status) and exit")
     where.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs only")
     where.add_argument("--pipeline", metavar="MODULE:FUNCTION",
@@ -92,7 +90,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
                       "share_sft": args.share_sft is not False, "eval_every": args.eval_every,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
-    as_given = ("jobs", "threads_per_job", "redo_changed", "dry_run", "report_only", "pipeline", "smooth")
+    as_given = ("jobs", "threads_per_job", "dry_run", "report_only", "pipeline", "smooth")
     return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference)
 
 

@@ -56,7 +56,6 @@ class CompareSettings(Experiment):
     # how to run them
     jobs: int | None = None
     threads_per_job: int | None = None
-    redo_changed: bool = False
     dry_run: bool = False
     report_only: bool = False
     pipeline: str | None = None
@@ -136,14 +135,12 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         if (saved := read_saved(settings.output_dir)) is not None and saved.get("reference") != settings.reference:
             write_json_atomic(settings.output_dir / SETTINGS_FILE, {**saved, "reference": settings.reference})
     else:
-        if not settings.redo_changed:
-            check_changed(runs)  # refuse before touching compare.json
+        check_changed(runs)  # refuse before touching compare.json
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
             **settings.experiment(), "base_config": settings.base_config(), "reference": settings.reference,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
         failed, interrupted = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
-                                      threads=settings.threads_per_job, redo_changed=settings.redo_changed,
-                                      pipeline=settings.pipeline, progress=say)
+                                      threads=settings.threads_per_job, pipeline=settings.pipeline, progress=say)
         if interrupted:
             return 130
     build_report(settings, runs, failed, reference, say)

@@ -1,7 +1,7 @@
 """A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) that trains
-RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would, then marks it complete.
-Not the train CLI itself: its --resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline`
-stand-in does not."""
+RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would. Not the train CLI
+itself: its --resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline` stand-in does not.
+One thread starts the workers and polls them: nothing but the pool's file lock is shared."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,11 @@ from trustclip.compare.plan import SPEC_FILE, RunSpec
 from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
 from trustclip.train.config import TrainConfig, from_dict
 
-LOG_FILE, WORKER_LOG, COMPARE_LOCK = "compare_log.jsonl", "worker.log", ".compare.lock"
-COMPLETE_FILE, SUMMARY_FILE = "run_complete.json", "summary.json"
+LOG_FILE, WORKER_LOG, COMPARE_LOCK, SUMMARY_FILE = "compare_log.jsonl", "worker.log", ".compare.lock", "summary.json"
 PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"  # the compare's pid: a worker started after its death exits too
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL
+POLL = 0.2  # seconds between looks at the running workers
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The worker runs this module as __main__ from the package the compare itself imported: `python -m` would put the
 # working directory first on sys.path, so a compare started from one checkout could run its workers from another.
 WORKER_START = (f"import runpy, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
@@ -39,9 +39,10 @@ class ChangedRunError(ValueError):
 
 
 def is_finished(spec: RunSpec) -> bool:
-    """True when the run completed with exactly this spec's settings."""
-    marker = read_json(spec.run_dir / COMPLETE_FILE)
-    return (isinstance(marker, dict) and marker.get("fingerprint") == spec.fingerprint()
+    """True when the run completed with exactly this spec's settings: its run_spec.json has the spec's fingerprint
+    and the pipeline wrote summary.json, which it writes last."""
+    saved = read_json(spec.run_dir / SPEC_FILE)
+    return (isinstance(saved, dict) and saved.get("fingerprint") == spec.fingerprint()
             and isinstance(read_json(spec.run_dir / SUMMARY_FILE), dict))
 
 
@@ -56,17 +57,15 @@ def check_runs(runs: Sequence[RunSpec]) -> None:
             raise ValueError(f"run {spec.run_id}: {err}") from None
 
 
-def check_changed(runs: Sequence[RunSpec], redo_changed: bool = False) -> None:
-    """Refuse (ChangedRunError) runs whose directory holds a spec with another fingerprint, or with `redo_changed`
-    delete those directories (their runs are then redone)."""
+def check_changed(runs: Sequence[RunSpec]) -> None:
+    """Refuse (ChangedRunError) runs whose directory holds a spec with another fingerprint: a pool never mixes the
+    numbers of two settings, and only the user deletes results."""
     changed = [spec for spec in runs if isinstance(old := read_json(spec.run_dir / SPEC_FILE), dict)
                and old.get("fingerprint") != spec.fingerprint()]
-    if changed and not redo_changed:
-        names = ", ".join(s.run_id for s in changed[:5]) + (" ..." if len(changed) > 5 else "")
-        raise ChangedRunError(f"{len(changed)} run(s) in {changed[0].root} were made with different settings "
-                              f"({names}); use another --output-dir, or --redo-changed to delete and redo them")
-    for spec in changed:
-        shutil.rmtree(spec.run_dir)
+    if changed:
+        names = ", ".join(str(s.run_dir) for s in changed[:5]) + (" ..." if len(changed) > 5 else "")
+        raise ChangedRunError(f"{len(changed)} run(s) in {changed[0].root} were made with different settings; use "
+                              f"another --output-dir (or --runs-dir), or delete their folders to redo them: {names}")
 
 
 def prepare_run_dir(spec: RunSpec, pipeline: str | None = None) -> bool:
@@ -93,23 +92,21 @@ def acquire_compare_lock(root: Path) -> Any:
 
 
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
-            threads: int | None = None, redo_changed: bool = False, pipeline: str | None = None,
+            threads: int | None = None, pipeline: str | None = None,
             progress: Callable[[str], None] = print) -> tuple[dict[str, str], bool]:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with `threads`
-    torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores), in plan order (SFT runs
-    first; an RL run starts once its SFT run has ended); starts, finishes and failures go to `log_dir` (default
-    `root`)/compare_log.jsonl. Each of `jobs` threads waits on one worker at a time; the calling thread takes Ctrl-C.
-    Safe to call again after any interruption (a partial run resumes). Returns ({failed run id: why}, interrupted)."""
+    torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores): SFT runs first, then the
+    others in plan order, an RL run once its SFT run has ended. Starts, finishes and failures go to `log_dir` (default
+    `root`)/compare_log.jsonl. Safe to call again after any interruption (a partial run resumes). Returns
+    ({failed run id: why}, interrupted)."""
     for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     jobs = jobs or max(1, min(2, cores))
     threads = threads or max(1, cores // jobs)
-    finished, failed, say = [], {}, progress  # run ids finished by this call; failed ones -> why
-    interrupted, t0 = False, time.time()
-    running: dict[str, subprocess.Popen] = {}  # run id -> its worker
-    lock, stopping = threading.Lock(), threading.Event()  # `lock`: the run lists, `running` and the log
+    finished, failed, say, t0 = [], {}, progress, time.time()  # run ids finished by this call; failed ones -> why
+    running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = {}  # run id -> (spec, worker, start, resumed)
     env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
 
@@ -123,80 +120,78 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         tail = extra.get("tail")
         say(f"! FAILED {spec.run_id}: {reason}" + ("\n    " + tail.replace("\n", "\n    ") if tail else ""))
 
-    def run(spec: RunSpec, sft: Future | None, lock_fd: int) -> None:
-        """One run in a worker process, once its SFT run (if it has one) has ended, until it ends or is stopped."""
-        wait([sft] if sft else [])
-        with lock:
-            if stopping.is_set():
-                return
-            if spec.depends_on is not None and not is_finished(spec.depends_on):
-                return fail(spec, f"its SFT run {spec.depends_on.run_id} failed")
-            resumed = prepare_run_dir(spec, pipeline)
-            cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), str(threads),
-                   *(["--resume"] if resumed else [])]
-            with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:  # its own group, for _kill
-                process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
-                                           start_new_session=True, pass_fds=(lock_fd,))
-            running[spec.run_id], started = process, time.time()
-            log("start", spec.run_id, pid=process.pid, resumed=resumed)
-            say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
-        process.wait()
-        seconds = time.time() - started
-        with lock:
-            del running[spec.run_id]
-            if process.returncode == 0 and is_finished(spec):
-                finished.append(spec.run_id)
-                log("finish", spec.run_id, seconds=seconds)
-                clock = time.strftime("%H:%M:%S", time.gmtime(seconds))
-                say(f"< done  {spec.run_id} in {clock} [{len(finished) + len(skipped)}/{len(runs)}]")
-            elif stopping.is_set():
-                log("interrupted", spec.run_id, seconds=seconds)
-            else:
-                path = spec.run_dir / WORKER_LOG
-                lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
-                again = f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""
-                fail(spec, f"worker exited with code {process.returncode}; log: {path}{again}", seconds=seconds,
-                     returncode=process.returncode, tail="\n".join(x[-300:] for x in lines[-6:]))
+    def start(spec: RunSpec, lock_fd: int) -> None:
+        """A worker for the run, in its own process group (for `_kill`)."""
+        resumed = prepare_run_dir(spec, pipeline)
+        cmd = [sys.executable, "-c", WORKER_START, str(spec.run_dir), *(["--resume"] if resumed else [])]
+        with (spec.run_dir / WORKER_LOG).open("a", encoding="utf-8") as worker_log:
+            process = subprocess.Popen(cmd, stdout=worker_log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True, pass_fds=(lock_fd,))
+        running[spec.run_id] = spec, process, time.time(), resumed
+        log("start", spec.run_id, pid=process.pid, resumed=resumed)
+        say(f"> start {spec.run_id}" + (" (resuming from checkpoint)" if resumed else ""))
 
-    with acquire_compare_lock(Path(root)) as pool_lock, ThreadPoolExecutor(jobs, "compare-run") as pool:
-        check_changed(runs, redo_changed)
+    def end(run_id: str) -> None:
+        """The run whose worker has exited: finished, or failed with the end of its log."""
+        spec, process, started, resumed = running.pop(run_id)
+        seconds = time.time() - started
+        if process.returncode == 0 and is_finished(spec):
+            finished.append(spec.run_id)
+            log("finish", spec.run_id, seconds=seconds)
+            clock = time.strftime("%H:%M:%S", time.gmtime(seconds))
+            return say(f"< done  {spec.run_id} in {clock} [{len(finished) + len(skipped)}/{len(runs)}]")
+        path = spec.run_dir / WORKER_LOG
+        lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
+        why = (f"worker exited with code {process.returncode}" if process.returncode
+               else f"the pipeline returned without writing {SUMMARY_FILE}")
+        again = f"; rerun to resume it, or delete {spec.run_dir} to start this run afresh" if resumed else ""
+        fail(spec, f"{why}; log: {path}{again}", seconds=seconds, returncode=process.returncode,
+             tail="\n".join(x[-300:] for x in lines[-6:]))
+
+    stopping = threading.Event()  # set by Ctrl-C / SIGTERM: the loop ends, the running workers are stopped
+    with acquire_compare_lock(Path(root)) as pool_lock:
+        check_changed(runs)
         skipped = [spec.run_id for spec in runs if is_finished(spec)]
-        todo = [spec for spec in runs if spec.run_id not in skipped]
+        queue = sorted((spec for spec in runs if spec.run_id not in skipped), key=lambda spec: spec.kind != "sft")
         for run_id in skipped:
             log("skip", run_id)
-        say(f"{len(runs)} runs: {len(skipped)} already finished, {len(todo)} to run ({jobs} in parallel, "
+        say(f"{len(runs)} runs: {len(skipped)} already finished, {len(queue)} to run ({jobs} in parallel, "
             f"{threads} torch thread(s) each)")
         handlers = {}
         with contextlib.suppress(ValueError):  # not the main thread: no handlers
-            handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            handlers = {sig: signal.signal(sig, lambda *_: _stop(stopping)) for sig in STOP_SIGNALS}
         try:
-            futures: dict[str, Future] = {}
-            for spec in sorted(todo, key=lambda spec: spec.kind != "sft"):  # FIFO: an SFT run starts before its RL
-                sft = futures.get(spec.depends_on.run_id) if spec.depends_on else None
-                futures[spec.run_id] = pool.submit(run, spec, sft, pool_lock.fileno())
-            for future in as_completed(futures.values()):
-                future.result()  # an error in a pool thread stops the compare
-        except KeyboardInterrupt:
-            interrupted = True
-            say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
-        finally:
-            stopping.set()  # no run starts now; those running are stopped, their threads log them as interrupted
-            with lock:
-                processes = list(running.values())
-            _kill(processes)
-            pool.shutdown(cancel_futures=True)
+            while (queue or running) and not stopping.is_set():
+                waiting = {spec.run_id for spec in queue} | set(running)  # an RL run waits while its SFT run does
+                for spec in [s for s in queue if not (s.depends_on and s.depends_on.run_id in waiting)]:
+                    if len(running) == jobs:
+                        break
+                    queue.remove(spec)
+                    if spec.depends_on is not None and not is_finished(spec.depends_on):
+                        fail(spec, f"its SFT run {spec.depends_on.run_id} failed")
+                    else:
+                        start(spec, pool_lock.fileno())
+                for run_id in [run_id for run_id, (_, process, *_) in running.items() if process.poll() is not None]:
+                    end(run_id)
+                time.sleep(POLL)
+        finally:  # also on an error: no worker outlives the loop
+            if stopping.is_set():
+                say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
+            _kill([process for _, process, *_ in running.values()])
+            for run_id, (_, _, started, _) in running.items():
+                log("interrupted", run_id, seconds=time.time() - started)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     say(f"ran {len(finished)} run(s) in {time.time() - t0:.0f} s; {len(skipped)} were already finished; "
         f"{len(failed)} failed")
-    return failed, interrupted
+    return failed, stopping.is_set()
 
 
-def _stop(*_: Any) -> None:
+def _stop(stopping: threading.Event) -> None:
     """SIGINT / SIGTERM: stop the compare, once (a second Ctrl-C must not cut the stopping of the workers short)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    stopping.set()
 
 
 def _kill(processes: Sequence[subprocess.Popen]) -> None:
@@ -226,22 +221,14 @@ def build_config(spec: dict[str, Any], run_dir: Path, resume: bool) -> Any:
     return from_dict(TrainConfig, data)
 
 
-def run_worker(run_dir: str | Path, threads: int = 1, resume: bool = False) -> int:
-    """Run one spec to completion; returns a process exit code (0 = finished and marked complete). Torch's threads
+def run_worker(run_dir: str | Path, resume: bool = False) -> None:
+    """Train one run into `run_dir` (the pipeline writes summary.json last: the run is then finished). Torch's threads
     follow OMP_NUM_THREADS, which the compare sets."""
     run_dir = Path(run_dir)
     spec = read_json(run_dir / SPEC_FILE)  # the compare wrote it just before it started this worker
     module, _, name = spec.get("pipeline", "trustclip.train.pipeline:run_pipeline").partition(":")
-    start = time.time()
-    print(f"worker: run {spec['run_id']} ({spec['fingerprint']}), {threads} thread(s), resume={resume}", flush=True)
+    print(f"worker: run {spec['run_id']} ({spec['fingerprint']}), resume={resume}", flush=True)
     getattr(importlib.import_module(module), name)(build_config(spec, run_dir, resume))
-    if not isinstance(read_json(run_dir / SUMMARY_FILE), dict):
-        print(f"worker: the pipeline returned but wrote no readable {SUMMARY_FILE}", file=sys.stderr)
-        return 4
-    write_json_atomic(run_dir / COMPLETE_FILE, {
-        "run_id": spec["run_id"], "fingerprint": spec["fingerprint"], "seconds": time.time() - start,
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "threads": threads, "resumed": resume})
-    return 0
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -254,7 +241,7 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(75)
 
 
-if __name__ == "__main__":  # a worker started by the compare: RUN_DIR THREADS [--resume]
+if __name__ == "__main__":  # a worker started by the compare: RUN_DIR [--resume]
     if (parent := os.environ.get(PARENT_ENV, "")).isdigit():
         threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True, name="parent-watch").start()
-    sys.exit(run_worker(sys.argv[1], max(1, int(sys.argv[2])), "--resume" in sys.argv[3:]))
+    run_worker(sys.argv[1], "--resume" in sys.argv[2:])
