@@ -22,8 +22,8 @@ import pytest
 from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
 from trustclip.compare.plan import parse_objectives, parse_seeds, parse_sweep, resolve_reference
-from trustclip.compare.runner import ChangedRunError, execute
-from trustclip.files import read_jsonl, write_json_atomic
+from trustclip.compare.runner import COMPARE_LOCK, ChangedRunError, execute
+from trustclip.files import read_jsonl, try_lock, write_json_atomic
 from trustclip.train.config import load_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -731,19 +731,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_second_compare_on_the_same_directory_is_refused(fake_env):
-    from trustclip.compare.runner import acquire_compare_lock
-
-    with acquire_compare_lock(fake_env), pytest.raises(RuntimeError, match="another compare"):
+    with try_lock(fake_env / COMPARE_LOCK), pytest.raises(RuntimeError, match="another compare"):
         execute([], fake_env)
 
 
 def test_one_lock_per_pool_refuses_a_compare_with_another_output_dir(fake_env):
     """Compares sharing --runs-dir take one lock, the pool's: a second one fails at once, naming the holder."""
-    from trustclip.compare.runner import acquire_compare_lock
-
     pool = fake_env.parent / "pool"
     settings = fake_settings(fake_env / "second", objectives=("clip",), seeds=(0,), runs_dir=str(pool))
-    with acquire_compare_lock(pool), pytest.raises(RuntimeError, match=rf"another compare \(pid {os.getpid()}\)"):
+    with try_lock(pool / COMPARE_LOCK), pytest.raises(RuntimeError, match=rf"another compare \(pid {os.getpid()}\)"):
         run_compare(settings, say=lambda s: None)
     assert not (pool / "runs").exists()  # no run was started
 

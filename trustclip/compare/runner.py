@@ -69,26 +69,13 @@ def check_changed(runs: Sequence[RunSpec]) -> None:
 
 
 def prepare_run_dir(spec: RunSpec, pipeline: str | None = None) -> bool:
-    """Make the run directory ready to start; True when the run resumes earlier progress (state.json or a
-    checkpoint is there), else what an earlier attempt left is removed."""
-    run_dir = spec.run_dir
-    resume = run_dir.is_dir() and (
-        (run_dir / "state.json").is_file() or any(p.is_dir() for p in run_dir.rglob("checkpoint-*")))
-    if run_dir.is_dir() and not resume:
-        shutil.rmtree(run_dir)
-    write_json_atomic(run_dir / SPEC_FILE, {**spec.to_dict(), **({"pipeline": pipeline} if pipeline else {})})
+    """Make the run directory ready to start; True when the run resumes earlier progress (the pipeline's state.json,
+    written before any checkpoint, is there), else what an earlier attempt left is removed."""
+    resume = (spec.run_dir / "state.json").is_file()
+    if spec.run_dir.is_dir() and not resume:
+        shutil.rmtree(spec.run_dir)
+    write_json_atomic(spec.run_dir / SPEC_FILE, {**spec.to_dict(), **({"pipeline": pipeline} if pipeline else {})})
     return resume
-
-
-def acquire_compare_lock(root: Path) -> Any:
-    """The pool's lock (an open file; closing it releases it); raises if a compare, or its workers, hold it. The workers
-    inherit it, so that a rerun cannot start while a killed compare's workers still write."""
-    handle = try_lock(Path(root) / COMPARE_LOCK)
-    if handle is None:
-        holder = (Path(root) / COMPARE_LOCK).read_text().strip() or "?"
-        raise RuntimeError(f"another compare (pid {holder}) or its workers are still running in {root}; wait for "
-                           "them or stop them")
-    return handle
 
 
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
@@ -148,8 +135,12 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         fail(spec, f"{why}; log: {path}{again}", seconds=seconds, returncode=process.returncode,
              tail="\n".join(x[-300:] for x in lines[-6:]))
 
+    # The pool's lock: the workers inherit it, so a rerun cannot start while a killed compare's workers still write.
+    if (pool_lock := try_lock(Path(root) / COMPARE_LOCK)) is None:
+        raise RuntimeError(f"another compare (pid {(Path(root) / COMPARE_LOCK).read_text().strip() or '?'}) or its "
+                           f"workers are still running in {root}; wait for them or stop them")
     stopping = threading.Event()  # set by Ctrl-C / SIGTERM: the loop ends, the running workers are stopped
-    with acquire_compare_lock(Path(root)) as pool_lock:
+    with pool_lock:
         check_changed(runs)
         skipped = [spec.run_id for spec in runs if is_finished(spec)]
         queue = sorted((spec for spec in runs if spec.run_id not in skipped), key=lambda spec: spec.kind != "sft")
