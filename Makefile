@@ -89,7 +89,7 @@ smollm2: $(STAMP) $(MODELS_STAMP)
 SMOLLM2_RECIPE ?= recipes/smollm2_offpolicy8.yaml
 SMOLLM2_POOL ?= runs/smollm2-offpolicy8
 SMOLLM2_COMPARE = $(VENV)/bin/trustclip compare --config $(SMOLLM2_RECIPE) --seeds $(SEEDS) \
-	  --reference clip --eval-every 0 --runs-dir $(SMOLLM2_POOL) --jobs 1 --threads-per-job 2
+	  --reference clip --set rl.eval_every=0 --runs-dir $(SMOLLM2_POOL) --jobs 1 --threads-per-job 2
 smollm2-compare: $(STAMP) $(MODELS_STAMP)
 	$(SMOLLM2_COMPARE) --output-dir $(SMOLLM2_POOL)/report --objectives clip,atr,unconstrained,clip_higher
 

@@ -99,8 +99,8 @@ def test_periodic_evaluation_is_on_unless_turned_off(tmp_path):
     default_steps = load_config().rl.max_steps
     assert every() == default_steps // 5  # the embedded default has none: compare adds 5 evaluation points
     assert every(overrides=["rl.max_steps=20"]) == 4
-    assert every(overrides=["rl.eval_every=0"]) == 0 and every(eval_every=0) == 0
-    assert every(eval_every=7, overrides=["rl.eval_every=3"]) == 7
+    assert every(overrides=["rl.eval_every=0"]) == 0
+    assert every(overrides=["rl.eval_every=3"]) == 3
 
 
 def test_shared_sft_follows_options_that_change_sft(tmp_path):
@@ -251,9 +251,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     write_json_atomic(tmp_path / "saved" / "compare.json", {"objectives": ["clip"], "seeds": [0]})
     assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--seeds", "2", "--dry-run"]) == 2
     assert "--seeds change(s) the experiment: give --objectives too" in capsys.readouterr().err
-    for flag in ("--eval-every", "--seeds"):  # a flag given as 0 is given: refused, not silently dropped
-        assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), flag, "0", "--dry-run"]) == 2
-        assert f"{flag} change(s) the experiment" in capsys.readouterr().err
+    # a flag given as 0 is given: refused, not silently dropped
+    assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--seeds", "0", "--dry-run"]) == 2
+    assert "--seeds change(s) the experiment" in capsys.readouterr().err
     assert cli_main(["compare", "--output-dir", str(tmp_path / "saved"), "--dry-run"]) == 0
     assert "clip/seed0" in capsys.readouterr().out
 
@@ -280,8 +280,18 @@ def test_a_compare_json_saved_with_the_removed_hparam_option(tmp_path, capsys):
     assert "no finished runs yet" in capsys.readouterr().out
 
 
+def test_a_compare_json_saved_with_the_removed_eval_every_option(tmp_path, capsys):
+    """--eval-every is now --set rl.eval_every: a saved experiment that used it is refused up front, saying so."""
+    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "eval_every": 3})
+    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 2
+    assert "--eval-every 3, an option that was removed" in capsys.readouterr().err
+    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "eval_every": None})
+    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 0
+
+
 @pytest.mark.parametrize("removed", [["--hparam", "atr.delta=0.1"], ["--seed-list", "0,1"], ["--run-timeout", "60"],
-                                     ["--progress-every", "5"], ["--restart-partial"], ["--redo-changed"]])
+                                     ["--progress-every", "5"], ["--restart-partial"], ["--redo-changed"],
+                                     ["--eval-every", "5"]])
 def test_removed_flags_are_refused(tmp_path, capsys, removed):
     args = ["compare", "--objectives", "atr", *removed, "--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:

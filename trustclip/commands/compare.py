@@ -43,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "objectives that have it; the others run once) or a dotted training option (all runs)")
     what.add_argument("--no-share-sft", dest="share_sft", action="store_false", default=None,
                       help="let every run do its own SFT (default: one SFT run per seed, shared by all objectives)")
-    what.add_argument("--eval-every", type=int, metavar="STEPS", help="held-out evaluation every STEPS RL steps, for "
-                      "the accuracy-vs-step figure and 'best' (default: the recipe's rl.eval_every, or max_steps // 5 "
-                      "if that is 0; 0 = off)")
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
     where.add_argument("--runs-dir", type=Path, metavar="POOL", help="keep the runs in POOL/runs instead, a pool that "
@@ -71,7 +68,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     out, reference = Path(args.output_dir), args.reference
     # the flags that define the experiment; one not given is None (one given as 0 is given)
     given = {"--seeds": args.seeds, "--config": args.config, "--set": args.overrides, "--sweep": args.sweep,
-             "--no-share-sft": args.share_sft, "--eval-every": args.eval_every, "--runs-dir": args.runs_dir}
+             "--no-share-sft": args.share_sft, "--runs-dir": args.runs_dir}
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
@@ -79,6 +76,9 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
             raise ValueError(f"{out / SETTINGS_FILE} was saved with --hparam {' '.join(map(str, hparams))}, an option "
                              "that was removed: give the hyper-parameters in brackets with --objectives, e.g. "
                              "clip[epsilon=0.3]")
+        if (every := saved.get("eval_every")) is not None:  # likewise: --set gives it now
+            raise ValueError(f"{out / SETTINGS_FILE} was saved with --eval-every {every}, an option that was removed: "
+                             f"give the experiment again with --objectives and --set rl.eval_every={every}")
         if flags := [flag for flag, value in given.items() if value is not None]:
             raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
@@ -88,7 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         experiment = {"objectives": parse_objectives(args.objectives),
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds),
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
-                      "share_sft": args.share_sft is not False, "eval_every": args.eval_every,
+                      "share_sft": args.share_sft is not False,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
     as_given = ("jobs", "threads_per_job", "dry_run", "report_only", "pipeline", "smooth")
     return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference)

@@ -40,7 +40,6 @@ class Experiment:
     overrides: list[str] = field(default_factory=list)
     sweep: str | None = None
     share_sft: bool = True
-    eval_every: int | None = None  # None: the recipe's rl.eval_every, or max_steps // EVAL_POINTS if 0
     runs_dir: str | None = None  # where runs/ is: a pool that several compares share (--runs-dir); None: output_dir
 
 
@@ -64,7 +63,7 @@ class CompareSettings(Experiment):
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first
 
     def __post_init__(self) -> None:
-        for name, least in (("jobs", 1), ("threads_per_job", 1), ("smooth", 1), ("eval_every", 0)):
+        for name, least in (("jobs", 1), ("threads_per_job", 1), ("smooth", 1)):
             if (value := getattr(self, name)) is not None and value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
 
@@ -72,11 +71,10 @@ class CompareSettings(Experiment):
         return {k: v for k, v in asdict(self).items() if k in EXPERIMENT_KEYS}
 
     def base_config(self) -> dict[str, Any]:
-        """Recipe + overrides, with the periodic evaluation the accuracy-vs-step figure needs (`eval_every`)."""
+        """Recipe + overrides; where rl.eval_every is 0 and --set does not say so, EVAL_POINTS periodic evaluations
+        (the accuracy-vs-step figure)."""
         base = planning.base_config(self.config, self.overrides)
-        if self.eval_every is not None:
-            base["rl"]["eval_every"] = self.eval_every
-        elif base["rl"]["eval_every"] == 0 and "rl.eval_every" not in {parse_override(o)[0] for o in self.overrides}:
+        if base["rl"]["eval_every"] == 0 and "rl.eval_every" not in {parse_override(o)[0] for o in self.overrides}:
             base["rl"]["eval_every"] = max(1, base["rl"]["max_steps"] // EVAL_POINTS)
         return base
 
