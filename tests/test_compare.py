@@ -674,17 +674,17 @@ def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(
     assert sorted(p.name for p in (pool / "runs").iterdir()) == ["_sft", "kl3", "kl3_delta=0.1", "kl3_delta=0.2"]
 
 
-def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
-    """SIGKILL the compare while its second run is in progress: the orphaned worker exits by itself, and the
-    rerun skips the finished run and resumes the killed one (the trainer's resume) without other starts."""
+def test_killed_compare_leaves_its_worker_to_finish_and_the_rerun_skips_it(fake_env):
+    """SIGKILL the compare while its second run is in progress: the orphaned worker finishes that run, holding the
+    pool's lock (a rerun meanwhile is refused, naming how to find it), and the rerun then starts nothing."""
     out = fake_env
     cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "clip,atr", "--seeds", "1",
            "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
-    env = {**os.environ, "FAKE_DELAY_kl3": "60"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    killed_dir = out / "runs" / "kl3" / "seed0"
+    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_DELAY_kl3": "25"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    orphan_dir = out / "runs" / "kl3" / "seed0"
     deadline = time.time() + 120
-    while not (killed_dir / "calls.txt").is_file():
+    while not (orphan_dir / "calls.txt").is_file():
         assert time.time() < deadline and proc.poll() is None, "the second run never started"
         time.sleep(0.2)
     first_marker = out / "runs" / "clip" / "seed0" / "summary.json"
@@ -692,43 +692,51 @@ def test_killed_compare_resumes_without_redoing_finished_runs(fake_env):
     worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 15
+    meanwhile = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
+    assert meanwhile.returncode == 2 and "pgrep -f trustclip.compare.runner" in meanwhile.stderr
+    assert _alive(worker_pid)
+    deadline = time.time() + 120
     while _alive(worker_pid):
-        assert time.time() < deadline, "the orphaned worker kept running after the compare was killed"
+        assert time.time() < deadline, "the orphaned worker never ended"
         time.sleep(0.2)
-    assert not (killed_dir / "summary.json").exists()
+    assert (orphan_dir / "summary.json").is_file()
     n = len(events(out))
     result = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     rerun = events(out, n)
-    assert started(rerun) == ["atr/seed0"]
-    assert [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0", "clip/seed0"]
-    assert next(r for r in rerun if r["event"] == "start")["resumed"] is True
-    calls = [line.split()[0] for line in (killed_dir / "calls.txt").read_text().splitlines()]
-    assert calls == ["resume=False", "resume=True"]
+    assert started(rerun) == [] and [r["run"] for r in rerun if r["event"] == "skip"] == [
+        "_sft/seed0", "clip/seed0", "atr/seed0"]
+    assert [line.split()[0] for line in (orphan_dir / "calls.txt").read_text().splitlines()] == ["resume=False"]
     assert first_marker.stat().st_mtime_ns == mtime
-    assert "2 already finished, 1 to run" in result.stdout
 
 
-def test_ctrl_c_stops_the_running_workers(fake_env):
+def test_ctrl_c_stops_the_running_workers_and_the_rerun_resumes_them(fake_env):
     """SIGINT (Ctrl-C) while a run is in progress: the compare stops its worker, logs the run as interrupted and
-    exits 130."""
+    exits 130; the rerun skips the finished runs and resumes the stopped one (the trainer's resume)."""
     out = fake_env
     cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "clip,atr", "--seeds", "1",
            "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
     proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_DELAY_kl3": "60"}, stdout=subprocess.PIPE, text=True)
-    running = out / "runs" / "kl3" / "seed0" / "calls.txt"
+    stopped_dir = out / "runs" / "kl3" / "seed0"
     deadline = time.time() + 120
-    while not running.is_file():
+    while not (stopped_dir / "calls.txt").is_file():
         assert time.time() < deadline and proc.poll() is None, "the run never started"
         time.sleep(0.2)
     worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
-    assert "interrupted: stopping 1 running run(s)" in proc.stdout.read()
+    assert "interrupted: stopped 1 running run(s)" in proc.stdout.read()
     assert not _alive(worker_pid)
     assert [r["run"] for r in events(out) if r["event"] == "interrupted"] == ["atr/seed0"]
-    assert not (out / "runs" / "kl3" / "seed0" / "summary.json").exists()  # a rerun resumes it (test above)
+    n = len(events(out))
+    result = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rerun = events(out, n)
+    assert started(rerun) == ["atr/seed0"] and next(r for r in rerun if r["event"] == "start")["resumed"] is True
+    assert [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0", "clip/seed0"]
+    assert [line.split()[0] for line in (stopped_dir / "calls.txt").read_text().splitlines()] == [
+        "resume=False", "resume=True"]
+    assert "2 already finished, 1 to run" in result.stdout
 
 
 def _alive(pid: int) -> bool:

@@ -1,7 +1,9 @@
 """A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) that trains
 RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would. Not the train CLI
 itself: its --resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline` stand-in does not.
-One thread starts the workers and polls them: nothing but the pool's file lock is shared."""
+One thread starts the workers and polls them: nothing but the pool's file lock is shared. Ctrl-C, SIGTERM and SIGHUP
+stop the workers; a compare killed with SIGKILL leaves them to finish the runs they are on (nothing is lost), holding
+the pool's lock until they end."""
 
 from __future__ import annotations
 
@@ -24,10 +26,9 @@ from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
 from trustclip.train.config import TrainConfig, from_dict
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK, SUMMARY_FILE = "compare_log.jsonl", "worker.log", ".compare.lock", "summary.json"
-PARENT_ENV = "TRUSTCLIP_COMPARE_PARENT"  # the compare's pid: a worker started after its death exits too
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL
 POLL = 0.2  # seconds between looks at the running workers
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal was closed
 # The worker runs this module as __main__ from the package the compare itself imported: `python -m` would put the
 # working directory first on sys.path, so a compare started from one checkout could run its workers from another.
 WORKER_START = (f"import runpy, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r}); "
@@ -94,7 +95,7 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     threads = threads or max(1, cores // jobs)
     finished, failed, say, t0 = [], {}, progress, time.time()  # run ids finished by this call; failed ones -> why
     running: dict[str, tuple[RunSpec, subprocess.Popen, float, bool]] = {}  # run id -> (spec, worker, start, resumed)
-    env = {**os.environ, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            **dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"), str(threads))}  # workers'
 
     def log(event: str, run_id: str, **extra: Any) -> None:
@@ -138,8 +139,8 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
     # The pool's lock: the workers inherit it, so a rerun cannot start while a killed compare's workers still write.
     if (pool_lock := try_lock(Path(root) / COMPARE_LOCK)) is None:
         raise RuntimeError(f"another compare (pid {(Path(root) / COMPARE_LOCK).read_text().strip() or '?'}) or its "
-                           f"workers are still running in {root}; wait for them or stop them")
-    stopping = threading.Event()  # set by Ctrl-C / SIGTERM: the loop ends, the running workers are stopped
+                           f"workers (`pgrep -f {__name__}`) are still running in {root}; wait for them or stop them")
+    stopping = threading.Event()  # set by a STOP_SIGNAL: the loop ends, the running workers are stopped
     with pool_lock:
         check_changed(runs)
         skipped = [spec.run_id for spec in runs if is_finished(spec)]
@@ -166,20 +167,20 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
                     end(run_id)
                 time.sleep(POLL)
         finally:  # also on an error: no worker outlives the loop
-            if stopping.is_set():
-                say(f"interrupted: stopping {len(running)} running run(s); rerun the same command to resume")
             _kill([process for _, process, *_ in running.values()])
             for run_id, (_, _, started, _) in running.items():
                 log("interrupted", run_id, seconds=time.time() - started)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            if stopping.is_set():  # said last: after SIGHUP there may be no terminal to say it to
+                say(f"interrupted: stopped {len(running)} running run(s); rerun the same command to resume")
     say(f"ran {len(finished)} run(s) in {time.time() - t0:.0f} s; {len(skipped)} were already finished; "
         f"{len(failed)} failed")
     return failed, stopping.is_set()
 
 
 def _stop(stopping: threading.Event) -> None:
-    """SIGINT / SIGTERM: stop the compare, once (a second Ctrl-C must not cut the stopping of the workers short)."""
+    """A STOP_SIGNAL: stop the compare, once (a second Ctrl-C must not cut the stopping of the workers short)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     stopping.set()
@@ -222,17 +223,5 @@ def run_worker(run_dir: str | Path, resume: bool = False) -> None:
     getattr(importlib.import_module(module), name)(build_config(spec, run_dir, resume))
 
 
-def _exit_with_parent(parent: int) -> None:
-    """(A worker's daemon thread) once the compare that started the worker is gone, kill its process group (the run's
-    own subprocesses too) and exit: a killed compare leaves no orphan writing its run."""
-    while os.getppid() == parent:
-        time.sleep(2.0)
-    with contextlib.suppress(OSError):
-        os.killpg(os.getpid(), signal.SIGKILL)  # the worker leads its group (start_new_session)
-    os._exit(75)
-
-
 if __name__ == "__main__":  # a worker started by the compare: RUN_DIR [--resume]
-    if (parent := os.environ.get(PARENT_ENV, "")).isdigit():
-        threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True, name="parent-watch").start()
     run_worker(sys.argv[1], "--resume" in sys.argv[2:])
