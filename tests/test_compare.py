@@ -68,6 +68,11 @@ def pm(values: list[float]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- planning tests
+def rl_runs(*args, **kwargs) -> list:
+    """The compared (RL) runs of a plan, without the shared SFT runs."""
+    return [r for r in plan_runs(*args, **kwargs) if r.kind == "rl"]
+
+
 def test_plan_is_seed_major_and_fixes_everything_but_the_objective(tmp_path):
     every = plan_runs(["clip", "atr"], [0, 1], tmp_path, overrides=["rl.max_steps=7"])
     assert [r.run_id for r in every] == ["_sft/seed0", "clip/seed0", "atr/seed0", "_sft/seed1", "clip/seed1",
@@ -88,8 +93,6 @@ def test_plan_is_seed_major_and_fixes_everything_but_the_objective(tmp_path):
             assert rl_diff <= {"objective", "objective_kwargs"}
     assert runs[0].run_dir == tmp_path / "runs" / "clip" / "seed0"
     assert len({r.fingerprint() for r in every}) == 6
-    own = plan_runs(["clip", "atr"], [0], tmp_path, share_sft=False)
-    assert [r.run_id for r in own] == ["clip/seed0", "atr/seed0"] and own[0].config["stages"] == ["sft", "rl", "eval"]
 
 
 def test_periodic_evaluation_is_on_unless_turned_off(tmp_path):
@@ -138,11 +141,11 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
 
 
 def test_sweep_applies_to_objectives_that_have_the_parameter(tmp_path):
-    runs = plan_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.03,0.1"), share_sft=False)
+    runs = rl_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.03,0.1"))
     assert [r.group for r in runs] == ["clip[epsilon=0.3]", "atr_delta=0.03", "atr_delta=0.1"]
     assert runs[0].hparams == {"epsilon": 0.3} and runs[0].sweep_key is None
     assert [r.hparams["delta"] for r in runs[1:]] == [0.03, 0.1]
-    lr = plan_runs(["clip"], [0], tmp_path, sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
+    lr = rl_runs(["clip"], [0], tmp_path, sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"))
     assert [r.config["rl"]["learning_rate"] for r in lr] == [1e-4, 2e-4]
 
 
@@ -157,12 +160,12 @@ def test_a_swept_value_that_changes_nothing_reuses_the_unswept_run(tmp_path):
     assert at_default.fingerprint() == plain["atr/seed0"].fingerprint()
     moved = next(r for r in swept if r.group == "atr_delta=0.05")
     assert moved.run_dir.parent.name == "kl3_delta=0.05" and moved.fingerprint() != at_default.fingerprint()
-    lr = plan_runs(["clip"], [0], tmp_path, overrides=["rl.learning_rate=2e-4"],
-                   sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"), share_sft=False)
+    lr = rl_runs(["clip"], [0], tmp_path, overrides=["rl.learning_rate=2e-4"],
+                   sweep=parse_sweep("rl.learning_rate=1e-4,2e-4"))
     assert [r.run_dir.parent.name for r in lr] == ["clip_rl.learning_rate=0.0001", "clip"]
     # a variant at the objective's own value is the plain objective's run too; another value is its own
-    variants = plan_runs(["clip[epsilon=0.2]", "clip_higher[epsilon_low=0.3]"], [0], tmp_path, share_sft=False)
-    plain_clip = plan_runs(["clip"], [0], tmp_path, share_sft=False)[0]
+    variants = rl_runs(["clip[epsilon=0.2]", "clip_higher[epsilon_low=0.3]"], [0], tmp_path)
+    plain_clip = rl_runs(["clip"], [0], tmp_path)[0]
     assert variants[0].group == "clip[epsilon=0.2]" and variants[0].run_dir == plain_clip.run_dir
     assert variants[0].fingerprint() == plain_clip.fingerprint()
     assert variants[1].run_dir.parent.name == "clip_higher_epsilon_low=0.3"
@@ -177,7 +180,7 @@ def test_variants_of_one_objective_are_groups_of_their_own(tmp_path):
     labels = parse_objectives(TABLE3)
     identity = f"clip_higher[epsilon_low={1 - L3!r},epsilon_high={U3 - 1!r}]"
     assert labels == ["clip", "clip[epsilon=0.329]", "clip[epsilon=0.422]", "clip_higher", identity, "atr"]
-    runs = plan_runs(labels, [0], tmp_path, share_sft=False)
+    runs = rl_runs(labels, [0], tmp_path)
     assert [r.group for r in runs] == labels
     assert [r.run_dir.parent.name for r in runs] == [  # from the settings: atr is kl3, at its default delta
         "clip", "clip_epsilon=0.329", "clip_epsilon=0.422", "clip_higher",
@@ -193,8 +196,7 @@ def test_variants_of_one_objective_are_groups_of_their_own(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"--reference {name!r} is not a compared group")):
             resolve_reference(name, group)
     assert resolve_reference(None, group[3:]) == "clip_higher"  # no clip: the first group
-    swept = plan_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.05,0.1"),
-                      share_sft=False)
+    swept = rl_runs(["clip[epsilon=0.3]", "atr"], [0], tmp_path, sweep=parse_sweep("delta=0.05,0.1"))
     assert [r.group for r in swept] == ["clip[epsilon=0.3]", "atr_delta=0.05", "atr_delta=0.1"]
     with pytest.raises(ValueError, match=re.escape("--reference 'atr' names 2 groups (atr_delta=0.05, atr_delta=0.1)")):
         resolve_reference("atr", [(r.group, r.label, r.objective) for r in swept])
@@ -289,9 +291,19 @@ def test_a_compare_json_saved_with_the_removed_eval_every_option(tmp_path, capsy
     assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 0
 
 
+def test_a_compare_json_saved_with_the_removed_no_share_sft_option(tmp_path, capsys):
+    """Every seed's runs now start RL from one SFT run: an experiment saved with --no-share-sft (its runs each did
+    their own SFT) is refused up front instead of being planned as other runs."""
+    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "share_sft": False})
+    assert cli_main(["compare", "--output-dir", str(tmp_path), "--report-only"]) == 2
+    assert "--no-share-sft, an option that was removed" in capsys.readouterr().err
+    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "share_sft": True})
+    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 0
+
+
 @pytest.mark.parametrize("removed", [["--hparam", "atr.delta=0.1"], ["--seed-list", "0,1"], ["--run-timeout", "60"],
                                      ["--progress-every", "5"], ["--restart-partial"], ["--redo-changed"],
-                                     ["--eval-every", "5"]])
+                                     ["--eval-every", "5"], ["--no-share-sft"]])
 def test_removed_flags_are_refused(tmp_path, capsys, removed):
     args = ["compare", "--objectives", "atr", *removed, "--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:
@@ -636,14 +648,14 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
 
 def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
     def one(objectives, **kwargs):
-        return plan_runs(objectives, [0], tmp_path, share_sft=False, **kwargs)[0]
+        return rl_runs(objectives, [0], tmp_path, **kwargs)[0]
 
     plain = one(["atr"])
     changed = one(["atr[delta=0.2]"])
     assert changed.run_dir != plain.run_dir and changed.run_dir.parent.name == "kl3_delta=0.2"
     assert plain.run_dir.parent.name == "kl3"  # the registered name: atr and kl3 are one objective
     same = [one(["atr[delta=0.1]"]), one(["atr[delta=1e-1]"]), one(["kl3[delta=0.1]"]),
-            next(r for r in plan_runs(["atr"], [0], tmp_path, share_sft=False, sweep=parse_sweep("delta=0.1,0.3"))
+            next(r for r in rl_runs(["atr"], [0], tmp_path, sweep=parse_sweep("delta=0.1,0.3"))
                  if r.sweep_value == 0.1)]
     assert {r.run_dir for r in same} == {tmp_path / "runs" / "kl3_delta=0.1" / "seed0"}
     assert len({r.fingerprint() for r in same}) == 1

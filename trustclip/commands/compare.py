@@ -41,8 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="override a recipe option for every run, e.g. rl.max_steps=100 (repeatable)")
     what.add_argument("--sweep", metavar="KEY=V1,V2,...", help="sweep an objective hyper-parameter (applied to the "
                       "objectives that have it; the others run once) or a dotted training option (all runs)")
-    what.add_argument("--no-share-sft", dest="share_sft", action="store_false", default=None,
-                      help="let every run do its own SFT (default: one SFT run per seed, shared by all objectives)")
     where = parser.add_argument_group("execution")
     where.add_argument("--output-dir", type=Path, required=True, help="runs go to DIR/runs, the report to DIR")
     where.add_argument("--runs-dir", type=Path, metavar="POOL", help="keep the runs in POOL/runs instead, a pool that "
@@ -68,7 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     out, reference = Path(args.output_dir), args.reference
     # the flags that define the experiment; one not given is None (one given as 0 is given)
     given = {"--seeds": args.seeds, "--config": args.config, "--set": args.overrides, "--sweep": args.sweep,
-             "--no-share-sft": args.share_sft, "--runs-dir": args.runs_dir}
+             "--runs-dir": args.runs_dir}
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
@@ -79,6 +77,10 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         if (every := saved.get("eval_every")) is not None:  # likewise: --set gives it now
             raise ValueError(f"{out / SETTINGS_FILE} was saved with --eval-every {every}, an option that was removed: "
                              f"give the experiment again with --objectives and --set rl.eval_every={every}")
+        if saved.get("share_sft") is False:  # its runs each did their own SFT: this version would plan other runs
+            raise ValueError(f"{out / SETTINGS_FILE} was saved with --no-share-sft, an option that was removed (the "
+                             "runs of a seed now start RL from one SFT run): give the experiment again with "
+                             "--objectives, in a new --output-dir")
         if flags := [flag for flag, value in given.items() if value is not None]:
             raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
@@ -88,7 +90,6 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
         experiment = {"objectives": parse_objectives(args.objectives),
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds),
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
-                      "share_sft": args.share_sft is not False,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
     as_given = ("jobs", "threads_per_job", "dry_run", "report_only", "pipeline", "smooth")
     return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference)

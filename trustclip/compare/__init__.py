@@ -39,7 +39,6 @@ class Experiment:
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     sweep: str | None = None
-    share_sft: bool = True
     runs_dir: str | None = None  # where runs/ is: a pool that several compares share (--runs-dir); None: output_dir
 
 
@@ -84,7 +83,7 @@ class CompareSettings(Experiment):
         saved = read_saved(self.output_dir) if self.report_only else None
         same = saved is not None and {k: saved.get(k) for k in EXPERIMENT_KEYS} == self.experiment()
         return plan_runs(self.objectives, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
-                         base=(same and saved.get("base_config")) or self.base_config(), share_sft=self.share_sft)
+                         base=(same and saved.get("base_config")) or self.base_config())
 
     @property
     def runs_root(self) -> Path:

@@ -251,10 +251,10 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | No
 
 
 def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path, *, overrides: Sequence[str] = (),
-              sweep: Sweep | None = None, base: dict[str, Any] | None = None, share_sft: bool = True) -> list[RunSpec]:
+              sweep: Sweep | None = None, base: dict[str, Any] | None = None) -> list[RunSpec]:
     """Every run of the comparison, seed-major (all groups of seed 0 first, so a stopped compare already has
-    complete seeds), each validated; with `share_sft`, each seed's SFT run comes first. `base` (a TrainConfig dict)
-    replaces the embedded default + `overrides`. Raises ValueError on any bad input."""
+    complete seeds), each validated; each seed's SFT run (when the runs have an SFT stage) comes first. `base` (a
+    TrainConfig dict) replaces the embedded default + `overrides`. Raises ValueError on any bad input."""
     entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")
@@ -273,7 +273,7 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
         if (other := seen.setdefault(spec.run_dir, spec)) is not spec:
             raise ValueError(f"{other.group!r} and {spec.group!r} have the same settings ({other.objective} "
                              f"{other.hparams}, {spec.run_dir}); compare each setting once")
-    return _share_sft(runs, root) if share_sft and "sft" in base["stages"] else runs
+    return _share_sft(runs, root) if "sft" in base["stages"] else runs
 
 
 def _share_sft(runs: list[RunSpec], root: Path) -> list[RunSpec]:
