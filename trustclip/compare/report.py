@@ -93,7 +93,8 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
 
 def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
-    """The Findings: sentences generated from the paired intervals."""
+    """The Findings: sentences generated from the paired intervals; of the comparisons with the reference, the primary
+    outcome's only (lifting the resolved ones out of every outcome's would be fishing: they are in the paired table)."""
     avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
     primary = f"{title_of(avg)} {metrics[0].capitalize()}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
@@ -101,12 +102,6 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     if not any(g.group == reference for g in groups):
         out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
     out += [difference_sentence(d, PRIMARY.label.format(k=k)) for d in diffs if d.outcome == PRIMARY.key]
-    if resolved := [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]:
-        out.append("Other outcomes whose paired interval excludes 0: " + "; ".join(
-            f"{d.group} {(o := OUTCOME[d.outcome]).label.format(k=k)} {fmt_amount(d.mean, o)} {fmt_interval(d, o)} "
-            f"({d.verdict})" for d in resolved) + ".")
-    elif diffs:
-        out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
     # how RL moved each run: final policy - its own RL start, paired within the run (completions where recorded)
     changes = [(f"final/{avg}/{metrics[0]}", f"before/{avg}/{metrics[0]}", PRIMARY, f"held-out {primary}")] + [
         (f"completions/final/{avg}/{what}", f"completions/before/{avg}/{what}", o := OUTCOME[f"eval_{what}"],
