@@ -98,7 +98,7 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
     primary = f"{title_of(avg)} {metrics[0].capitalize()}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
-           + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
+           + ", ".join(f"{g.group} {len(g.runs)}" for g in groups) + "."]
     if not any(g.group == reference for g in groups):
         out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
     out += [difference_sentence(d, PRIMARY.label.format(k=k)) for d in diffs if d.outcome == PRIMARY.key]
@@ -109,19 +109,19 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     out += [difference_sentence(paired_difference(g.values[final], g.values.get(start, {}), group=g.group,
                                                   ref="RL start", outcome=o.key), what, o)
             for final, start, o, what in changes for g in groups if final in g.values]
-    for label in dict.fromkeys(g.label for g in groups if g.sweep_key is not None):  # a sweep's trend: its slope
-        members = [g for g in groups if g.label == label and g.sweep_key is not None]
-        if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
+    for label in dict.fromkeys(g.spec.label for g in groups if g.spec.sweep_key is not None):  # a sweep: its slope
+        members = [g for g in groups if g.spec.label == label and g.spec.sweep_key is not None]
+        if len(members) >= 3 and all(isinstance(g.spec.sweep_value, int | float) for g in members):
             for o in (PRIMARY, OUTCOME["pass@K"]):
-                d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
-                per = f"tenfold {members[0].sweep_key}" if log else f"unit of {members[0].sweep_key}"
+                d, log = sweep_trend({g.spec.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
+                per = f"tenfold {members[0].spec.sweep_key}" if log else f"unit of {members[0].spec.sweep_key}"
                 if d.n:  # no seed has every swept value yet: no slope to state
                     out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
     if intervals := sum(d.n >= 2 for d in diffs):
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
                    f"primary outcome is the final held-out {primary}.")
-    if max((g.n for g in groups), default=0) < 2:
+    if max((len(g.runs) for g in groups), default=0) < 2:
         out.append("With one seed per group there is no interval: nothing is called higher or lower.")
     checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
     out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final and the "
@@ -143,8 +143,8 @@ def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float,
                extra: Sequence[Sequence[Any]] = ()) -> str:
     """Groups x outcomes of the tidy table as mean ± std over seeds; `columns`: (head, outcome, scale, digits)."""
     return _table(["Objective", *(["seeds"] if seeds else []), *(head for head, *_ in columns)], [
-        [g.group, *([g.n] if seeds else []), *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)]
-        for g in groups] + list(extra))
+        [g.group, *([len(g.runs)] if seeds else []),
+         *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)] for g in groups] + list(extra))
 
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
@@ -279,8 +279,8 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
                 "outcomes": {o.key: o.label.format(k=k) for o in outcomes_of(groups)},
-                "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
-                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value,
+                "groups": [{"group": g.group, "label": g.spec.label, "objective": g.spec.objective,
+                            "hparams": g.spec.hparams, "sweep_key": g.spec.sweep_key, "sweep_value": g.spec.sweep_value,
                             "seeds": [r.spec.seed for r in g.runs]} for g in groups],
                 "comparisons": [d.to_dict() for d in diffs]}),
             } | {fig.stem: fig for fig in figs}
