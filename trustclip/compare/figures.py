@@ -7,6 +7,7 @@ import math
 import textwrap
 from collections.abc import Callable, Sequence
 from functools import reduce
+from itertools import cycle
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,8 @@ def eval_points(group: Group, split: str, metric: str) -> PerSeed:
     """Held-out metric against the RL step (periodic evaluations and the final one; step 0: the RL start)."""
     out = []
     for run in group.runs:
-        points = {step: h[split][metric] for step, h in run.history.items() if metric in h.get(split, {})}
-        if run.before and split in run.before:
-            points.setdefault(0, run.before[split][metric])
+        start = {0: run.before[split][metric]} if run.before and split in run.before else {}
+        points = start | {step: h[split][metric] for step, h in run.history.items() if metric in h.get(split, {})}
         if points:
             out.append((np.array(sorted(points)), np.array([points[s] for s in sorted(points)])))
     return out
@@ -75,18 +75,14 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
            "RL step", None, series_points, [(label, (key, window)) for key, (label, *_) in SERIES.items()])
     figure("eval_vs_step", "Held-out accuracy during RL (step 0: RL start), mean ± std", len(splits), "RL step",
            "accuracy", eval_points, [(f"{title_of(s)} {m.capitalize()}", (s, m)) for m in metrics for s in splits])
-    at_k = [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind)) for kind in ("mean", "pass") for s in splits]
     figure("at_k", "Mean@k and Pass@k of the final policy vs k, mean ± std", len(splits), "k", "accuracy", at_k_points,
-           at_k, logx=True)
+           [(f"{title_of(s)} {m.capitalize()}@k", (s, m)) for m in ("mean", "pass") for s in splits], logx=True)
     if swept := [g for g in groups if g.spec.sweep_key is not None]:
         avg = splits[-1]
-        sweep = [(f"{title_of(avg)} {m.capitalize()} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
-                 for m in metrics]
-        rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.spec.sweep_value,
-                     "mean": stats[g.group].mean, "std": stats[g.group].std, "n_seeds": stats[g.group].n}
-                    for m, (_, stats) in zip(metrics, sweep, strict=True) for g in swept)
-        paths.append(plot_sweep(out / "sweep.png", groups, sweep,
-                                f"Final {title_of(avg)} accuracy vs {swept[0].spec.sweep_key}"))
+        stats = {m: {g.group: g.stat(f"final/{avg}/{m}") for g in groups} for m in metrics}
+        rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.spec.sweep_value, "mean": st[g.group].mean,
+                     "std": st[g.group].std, "n_seeds": st[g.group].n} for m, st in stats.items() for g in swept)
+        paths.append(plot_sweep(out / "sweep.png", groups, stats, title_of(avg)))
     return paths, rows
 
 
@@ -96,11 +92,9 @@ def distinct_colors(names: Sequence[str]) -> dict[str, str]:
     from matplotlib.colors import to_hex
 
     cmap = pyplot().get_cmap("tab20" if len(names) > 10 else "tab10")
-    out = {n: COLORS[n] for n in names if n in COLORS}
-    free = [c for c in (to_hex(cmap(i)) for i in range(cmap.N)) if c not in out.values()]
-    for i, name in enumerate(n for n in names if n not in out):
-        out[name] = free[i % len(free)]  # never empty: COLORS holds 2 of tab10's colours
-    return out
+    known = {n: COLORS[n] for n in names if n in COLORS}
+    free = cycle([c for c in (to_hex(cmap(i)) for i in range(cmap.N)) if c not in known.values()])
+    return {n: known.get(n) or next(free) for n in names}  # `free` is never empty: COLORS holds 2 of tab10's colours
 
 
 def plot_bands(path: Path, panels: dict[str, dict[str, Band]], title: str, ncols: int, xlabel: str,
@@ -132,16 +126,16 @@ def plot_bands(path: Path, panels: dict[str, dict[str, Band]], title: str, ncols
         return save_figure(fig, path)
 
 
-def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
-    """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): swept groups with
-    ± std error bars, the others as horizontal lines with a ± std band; log x where `paired_stats.log_scale` says."""
+def plot_sweep(path: Path, groups: Sequence[Group], panels: dict[str, dict[str, Stat]], average: str) -> Path:
+    """Final `average` accuracy against the swept value (paper Figure 3), a panel per metric (group -> Stat): swept
+    groups with ± std error bars, the others as horizontal lines with a ± std band; log x where `log_scale` says."""
     swept = [g for g in groups if g.spec.sweep_key is not None]
     references, key = [g for g in groups if g.spec.sweep_key is None], swept[0].spec.sweep_key
     xs, labels = [g.spec.sweep_value for g in swept], list(dict.fromkeys(g.spec.label for g in swept))
     with figure_context():
         colors = distinct_colors(list(dict.fromkeys([*labels, *(g.group for g in references)])))
         fig, axes = new_figure(1, len(panels), width=4.8, height=3.6)
-        for ax, (panel, stats) in zip(axes.flat, panels, strict=True):
+        for ax, (metric, stats) in zip(axes.flat, panels.items(), strict=True):
             for label, members in ((lb, [g for g in swept if g.spec.label == lb]) for lb in labels):
                 ax.errorbar([g.spec.sweep_value for g in members], [stats[g.group].mean for g in members],
                             yerr=np.nan_to_num(np.asarray([stats[g.group].std for g in members], float)),
@@ -154,6 +148,6 @@ def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, 
                 ax.set_xscale("log")
                 ax.set_xticks(sorted(set(xs)), [f"{v:g}" for v in sorted(set(xs))])
                 ax.minorticks_off()
-            style_axes(ax, title=panel, xlabel=key, ylabel="accuracy")
-        fig.suptitle(title)
+            style_axes(ax, title=f"{average} {metric.capitalize()} (final)", xlabel=key, ylabel="accuracy")
+        fig.suptitle(f"Final {average} accuracy vs {key}")
         return save_figure(fig, path)
