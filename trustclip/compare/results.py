@@ -75,6 +75,7 @@ class RunRecord:
 
     spec: RunSpec
     k: int
+    metrics: tuple[str, str]  # ("mean@K", "pass@K"): the keys of each split's numbers
     final: dict[str, dict[str, float]]
     best: dict[str, dict[str, float]]
     before: dict[str, dict[str, float]] | None
@@ -83,10 +84,6 @@ class RunRecord:
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # RL metric -> (steps, values)
     seconds: dict[str, float]
     completions: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # final|before -> split -> stats
-
-    @property
-    def metrics(self) -> tuple[str, str]:
-        return f"mean@{self.k}", f"pass@{self.k}"
 
 
 def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
@@ -128,7 +125,7 @@ def load_run(spec: RunSpec) -> RunRecord:
     rl_steps = summary.get("rl_steps")
     history[rl_steps if isinstance(rl_steps, int) else max([*history, 0])] = final  # the last checkpoint
     best = {s: {m: max(h[s][m] for h in history.values() if m in h.get(s, {})) for m in metrics} for s in final}
-    return RunRecord(spec, int(k), final, best, start, dict(sorted(history.items())),
+    return RunRecord(spec, int(k), metrics, final, best, start, dict(sorted(history.items())),
                      _average_curve(after.get("curves") or {}), series,
                      {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
                      {w: e["completion_stats"] for w, e in (("final", after), ("before", before))
@@ -162,8 +159,7 @@ def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 @dataclass
 class Group:
-    """One (objective, sweep value): its settings (`spec`: its first run's), its finished runs and the tidy table
-    pivoted to outcome -> seed -> value."""
+    """One (objective, sweep value): its first run's `spec`, its runs and the tidy table as outcome -> seed -> value."""
 
     spec: RunSpec
     runs: list[RunRecord]
