@@ -1,7 +1,6 @@
 """The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
-paired comparisons) and `curves.csv` (the data of every figure). Table cells are rounded percentages of the fractions
-the CSV holds. Every sentence that compares states a paired `Difference` through `difference_sentence` or its verdict:
-nothing is called higher or lower whose 95 % interval includes 0."""
+paired comparisons) and `curves.csv` (the data of every figure); table cells round the CSV's fractions to percentages.
+Comparing sentences are `difference_sentence`s: nothing whose 95 % interval includes 0 is called higher or lower."""
 
 from __future__ import annotations
 
@@ -45,9 +44,7 @@ from trustclip.files import read_json, write_json_atomic, write_text_atomic
 # ------------------------------------------------------------------------------------------------- numbers
 def fmt(x: float | None, scale: float = 100.0, digits: int = 1, sign: str = "") -> str:
     """scale * x rounded, 'n/a' for None or NaN; `sign` "+" for a signed difference (infinite bounds: '+inf')."""
-    if x is None or math.isnan(x):
-        return "n/a"
-    return ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:{sign}.{digits}f}"
+    return "n/a" if x is None or math.isnan(x) else f"{scale * x:{sign}.{digits}f}"
 
 
 def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
@@ -139,12 +136,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None
                       *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
-def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float, int]], seeds: bool = False,
-               extra: Sequence[Sequence[Any]] = ()) -> str:
+def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float, int]]) -> str:
     """Groups x outcomes of the tidy table as mean ± std over seeds; `columns`: (head, outcome, scale, digits)."""
-    return _table(["Objective", *(["seeds"] if seeds else []), *(head for head, *_ in columns)], [
-        [g.group, *([len(g.runs)] if seeds else []),
-         *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)] for g in groups] + list(extra))
+    return _table(["Objective", *(head for head, *_ in columns)], [
+        [g.group, *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)] for g in groups])
 
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
@@ -156,9 +151,10 @@ def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str
 
 def table3(groups: Sequence[Group], splits: Sequence[str], metric: str, start: dict[str, Stat] | None = None) -> str:
     """Paper Table 3 layout: final `metric` as mean ± std over seeds, per split and on average, in %."""
-    extra = [["*RL start (SFT model)*", max(st.n for st in start.values()), *(fmt_pm(start[s]) for s in splits)]
-             ] if start else []
-    return stat_table(groups, [(title_of(s), f"final/{s}/{metric}", 100.0, 1) for s in splits], seeds=True, extra=extra)
+    rows = [[g.group, len(g.runs), *(fmt_pm(g.stat(f"final/{s}/{metric}")) for s in splits)] for g in groups]
+    if start:
+        rows.append(["*RL start (SFT model)*", max(st.n for st in start.values()), *(fmt_pm(start[s]) for s in splits)])
+    return _table(["Objective", "seeds", *map(title_of, splits)], rows)
 
 
 def dynamics_table(groups: Sequence[Group]) -> str:
@@ -172,8 +168,7 @@ def dynamics_table(groups: Sequence[Group]) -> str:
 
 
 def completions_table(groups: Sequence[Group]) -> str | None:
-    """Held-out completions' length (and entropy, where recorded) at the RL start and at the end, on the held-out
-    average, per group; None when no run's evaluation recorded them."""
+    """Held-out length (and entropy) of the completions at the RL start and the end, per group; None if unrecorded."""
     stats = (("length", "length (tokens)", 1), ("entropy", "entropy (nats/token, T = 1)", 3))
     columns = [(f"{label}, {when_text}", f"completions/{when}/{AVERAGE}/{key}", 1.0, digits)
                for key, label, digits in stats
@@ -251,15 +246,13 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
            "held-out splits.", f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)",
            table3(groups, splits, metrics[0], start), f"Final {m1} in %, mean ± std over seeds:",
            table3(groups, splits, metrics[1]), f"## Paired comparisons against {reference}"]
-    if not finished_reference:
-        md.append(f"_{reference} has no finished run yet._")
-    else:
-        md += [paired_table(diffs, k),
-               f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT "
-               f"model), on the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
-               f"of the mean difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only "
-               "when the interval excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the "
-               "method and its measured coverage: `docs/compare-statistics.md` in the trustclip repository."]
+    md += [f"_{reference} has no finished run yet._"] if not finished_reference else [
+        paired_table(diffs, k),
+        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), on "
+        f"the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) of the mean "
+        f"difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only when the interval "
+        "excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the method and its measured "
+        "coverage: `docs/compare-statistics.md` in the trustclip repository."]
     md += ["## Training dynamics (mean ± std over seeds)", dynamics_table(groups)]
     if (held_out := completions_table(groups)) is not None:
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
