@@ -7,8 +7,9 @@ import math
 import textwrap
 from collections.abc import Callable, Sequence
 from functools import reduce
+from itertools import cycle
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -18,24 +19,16 @@ from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_f
 from trustclip.train.plots import default_window, smooth
 
 PerSeed = list[tuple[np.ndarray, np.ndarray]]  # (x, y) of each seed
-
-
-class Band(NamedTuple):
-    """A curve over seeds: mean and std (NaN with one seed) at the x values every seed has."""
-
-    x: np.ndarray
-    mean: np.ndarray
-    std: np.ndarray
-    n: int
+Band = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # a curve over seeds: x, mean, std (NaN with one seed), seeds
 
 
 def band(per_seed: PerSeed) -> Band | None:
-    """None when no seed has the curve or the seeds share no x value."""
+    """At the x values every seed has; None when no seed has the curve or the seeds share no x value."""
     if not per_seed or not (common := reduce(np.intersect1d, (x for x, _ in per_seed))).size:
         return None
     stack = np.array([y[np.searchsorted(x, common)] for x, y in per_seed])
     std = stack.std(axis=0, ddof=1) if len(per_seed) > 1 else np.full(common.size, np.nan)
-    return Band(common, stack.mean(axis=0), std, len(per_seed))
+    return common, stack.mean(axis=0), std, len(per_seed)
 
 
 def series_points(group: Group, key: str, window: int) -> PerSeed:
@@ -47,9 +40,8 @@ def eval_points(group: Group, split: str, metric: str) -> PerSeed:
     """Held-out metric against the RL step (periodic evaluations and the final one; step 0: the RL start)."""
     out = []
     for run in group.runs:
-        points = {step: h[split][metric] for step, h in run.history.items() if metric in h.get(split, {})}
-        if run.before and split in run.before:
-            points.setdefault(0, run.before[split][metric])
+        start = {0: run.before[split][metric]} if run.before and split in run.before else {}
+        points = start | {step: h[split][metric] for step, h in run.history.items() if metric in h.get(split, {})}
         if points:
             out.append((np.array(sorted(points)), np.array([points[s] for s in sorted(points)])))
     return out
@@ -71,35 +63,26 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
 
     def figure(name: str, title: str, ncols: int, xlabel: str, ylabel: str | None, points: Callable[..., PerSeed],
                specs: Sequence[tuple[str, tuple]], logx: bool = False) -> None:
-        """`name`.png and its rows: a panel per (title, args of `points`) that some group has data for (ylabel None:
-        the panel's title)."""
-        made = []
-        for panel, args in specs:
-            bands = {g.group: b for g in groups if (b := band(points(g, *args)))}
-            rows.extend({"figure": name, "panel": panel, "group": group, "x": float(x), "mean": float(m),
-                         "std": float(s), "n_seeds": b.n}
-                        for group, b in bands.items() for x, m, s in zip(b.x, b.mean, b.std, strict=True))
-            if bands:
-                made.append({"title": panel, "xlabel": xlabel, "ylabel": ylabel or panel, "logx": logx, "bands": bands})
-        if made:
-            paths.append(plot_bands(out / f"{name}.png", made, title, ncols))
+        """`name`.png and its rows: a panel per (title, args of `points`) that some group has data for."""
+        panels = {panel: {g.group: b for g in groups if (b := band(points(g, *args)))} for panel, args in specs}
+        rows.extend({"figure": name, "panel": panel, "group": group, "x": float(x), "mean": float(m), "std": float(s),
+                     "n_seeds": n} for panel, bands in panels.items() for group, (xs, means, stds, n) in bands.items()
+                    for x, m, s in zip(xs, means, stds, strict=True))
+        if panels := {panel: bands for panel, bands in panels.items() if bands}:
+            paths.append(plot_bands(out / f"{name}.png", panels, title, ncols, xlabel, ylabel, logx))
 
     figure("training_curves", f"Training curves: mean ± std over seeds, moving average over {window} steps", 4,
            "RL step", None, series_points, [(label, (key, window)) for key, (label, *_) in SERIES.items()])
     figure("eval_vs_step", "Held-out accuracy during RL (step 0: RL start), mean ± std", len(splits), "RL step",
            "accuracy", eval_points, [(f"{title_of(s)} {m.capitalize()}", (s, m)) for m in metrics for s in splits])
-    at_k = [(f"{title_of(s)} {kind.capitalize()}@k", (s, kind)) for kind in ("mean", "pass") for s in splits]
     figure("at_k", "Mean@k and Pass@k of the final policy vs k, mean ± std", len(splits), "k", "accuracy", at_k_points,
-           at_k, logx=True)
-    if swept := [g for g in groups if g.sweep_key is not None]:
+           [(f"{title_of(s)} {m.capitalize()}@k", (s, m)) for m in ("mean", "pass") for s in splits], logx=True)
+    if swept := [g for g in groups if g.spec.sweep_key is not None]:
         avg = splits[-1]
-        sweep = [(f"{title_of(avg)} {m.capitalize()} (final)", {g.group: g.stat(f"final/{avg}/{m}") for g in groups})
-                 for m in metrics]
-        rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.sweep_value, "mean": stats[g.group].mean,
-                     "std": stats[g.group].std, "n_seeds": stats[g.group].n}
-                    for m, (_, stats) in zip(metrics, sweep, strict=True) for g in swept)
-        paths.append(plot_sweep(out / "sweep.png", groups, sweep,
-                                f"Final {title_of(avg)} accuracy vs {swept[0].sweep_key}"))
+        stats = {m: {g.group: g.stat(f"final/{avg}/{m}") for g in groups} for m in metrics}
+        rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.spec.sweep_value, "mean": st[g.group].mean,
+                     "std": st[g.group].std, "n_seeds": st[g.group].n} for m, st in stats.items() for g in swept)
+        paths.append(plot_sweep(out / "sweep.png", groups, stats, title_of(avg)))
     return paths, rows
 
 
@@ -109,31 +92,30 @@ def distinct_colors(names: Sequence[str]) -> dict[str, str]:
     from matplotlib.colors import to_hex
 
     cmap = pyplot().get_cmap("tab20" if len(names) > 10 else "tab10")
-    out = {n: COLORS[n] for n in names if n in COLORS}
-    free = [c for c in (to_hex(cmap(i)) for i in range(cmap.N)) if c not in out.values()]
-    for i, name in enumerate(n for n in names if n not in out):
-        out[name] = free[i % len(free)]  # never empty: COLORS holds 2 of tab10's colours
-    return out
+    known = {n: COLORS[n] for n in names if n in COLORS}
+    free = cycle([c for c in (to_hex(cmap(i)) for i in range(cmap.N)) if c not in known.values()])
+    return {n: known.get(n) or next(free) for n in names}  # `free` is never empty: COLORS holds 2 of tab10's colours
 
 
-def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: int) -> Path:
-    """A grid of panels, one line per group with its mean ± std band shaded, one colour per group, one legend."""
+def plot_bands(path: Path, panels: dict[str, dict[str, Band]], title: str, ncols: int, xlabel: str,
+               ylabel: str | None, logx: bool) -> Path:
+    """A grid of panels (title -> group -> band), one line per group with its mean ± std band shaded, one colour per
+    group, one legend (ylabel None: the panel's title)."""
     ncols = min(ncols, len(panels))
     with figure_context():
-        colors = distinct_colors(list(dict.fromkeys(g for p in panels for g in p["bands"])))
+        colors = distinct_colors(list(dict.fromkeys(g for bands in panels.values() for g in bands)))
         fig, axes = new_figure(math.ceil(len(panels) / ncols), ncols, width=5.0, height=3.4)
         handles: dict[str, Any] = {}
-        for ax, p in zip(axes.flat, panels, strict=False):
-            for group, b in p["bands"].items():
-                ax.plot(b.x, b.mean, color=colors[group], lw=1.6, marker="o" if b.x.size <= 12 else None, ms=3.5,
-                        label=group)
-                low, high = b.mean - np.nan_to_num(b.std), b.mean + np.nan_to_num(b.std)
+        for ax, (panel, bands) in zip(axes.flat, panels.items(), strict=False):
+            for group, (x, mean, std, _) in bands.items():
+                ax.plot(x, mean, color=colors[group], lw=1.6, marker="o" if x.size <= 12 else None, ms=3.5, label=group)
+                low, high = mean - np.nan_to_num(std), mean + np.nan_to_num(std)
                 if np.any(np.isfinite(low) & (high > low)):  # no band for one seed
-                    ax.fill_between(b.x, low, high, color=colors[group], alpha=0.18, lw=0)
-            if p["logx"]:
+                    ax.fill_between(x, low, high, color=colors[group], alpha=0.18, lw=0)
+            if logx:
                 ax.set_xscale("log", base=2)
                 ax.xaxis.set_major_formatter(pyplot().FuncFormatter(lambda v, _: f"{v:g}"))
-            style_axes(ax, title=p["title"], xlabel=p["xlabel"], ylabel=p["ylabel"])
+            style_axes(ax, title=panel, xlabel=xlabel, ylabel=ylabel or panel)
             ax.get_legend().remove()  # one legend beside the grid: inside a panel it covers the curves
             handles.update({lb: h for h, lb in zip(*ax.get_legend_handles_labels(), strict=True) if lb not in handles})
         for ax in list(axes.flat)[len(panels):]:
@@ -144,17 +126,18 @@ def plot_bands(path: Path, panels: Sequence[dict[str, Any]], title: str, ncols: 
         return save_figure(fig, path)
 
 
-def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, dict[str, Stat]]], title: str) -> Path:
-    """Final accuracy against the swept value (paper Figure 3), a panel per (title, group -> Stat): swept groups with
-    ± std error bars, the others as horizontal lines with a ± std band; log x where `paired_stats.log_scale` says."""
-    swept, references = [g for g in groups if g.sweep_key is not None], [g for g in groups if g.sweep_key is None]
-    key, xs, labels = swept[0].sweep_key, [g.sweep_value for g in swept], list(dict.fromkeys(g.label for g in swept))
+def plot_sweep(path: Path, groups: Sequence[Group], panels: dict[str, dict[str, Stat]], average: str) -> Path:
+    """Final `average` accuracy against the swept value (paper Figure 3), a panel per metric (group -> Stat): swept
+    groups with ± std error bars, the others as horizontal lines with a ± std band; log x where `log_scale` says."""
+    swept = [g for g in groups if g.spec.sweep_key is not None]
+    references, key = [g for g in groups if g.spec.sweep_key is None], swept[0].spec.sweep_key
+    xs, labels = [g.spec.sweep_value for g in swept], list(dict.fromkeys(g.spec.label for g in swept))
     with figure_context():
         colors = distinct_colors(list(dict.fromkeys([*labels, *(g.group for g in references)])))
         fig, axes = new_figure(1, len(panels), width=4.8, height=3.6)
-        for ax, (panel, stats) in zip(axes.flat, panels, strict=True):
-            for label, members in ((lb, [g for g in swept if g.label == lb]) for lb in labels):
-                ax.errorbar([g.sweep_value for g in members], [stats[g.group].mean for g in members],
+        for ax, (metric, stats) in zip(axes.flat, panels.items(), strict=True):
+            for label, members in ((lb, [g for g in swept if g.spec.label == lb]) for lb in labels):
+                ax.errorbar([g.spec.sweep_value for g in members], [stats[g.group].mean for g in members],
                             yerr=np.nan_to_num(np.asarray([stats[g.group].std for g in members], float)),
                             color=colors[label], marker="o", ms=4, capsize=3, lw=1.6, label=label)
             for g, r in ((g, stats[g.group]) for g in references):
@@ -165,6 +148,6 @@ def plot_sweep(path: Path, groups: Sequence[Group], panels: Sequence[tuple[str, 
                 ax.set_xscale("log")
                 ax.set_xticks(sorted(set(xs)), [f"{v:g}" for v in sorted(set(xs))])
                 ax.minorticks_off()
-            style_axes(ax, title=panel, xlabel=key, ylabel="accuracy")
-        fig.suptitle(title)
+            style_axes(ax, title=f"{average} {metric.capitalize()} (final)", xlabel=key, ylabel="accuracy")
+        fig.suptitle(f"Final {average} accuracy vs {key}")
         return save_figure(fig, path)

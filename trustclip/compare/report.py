@@ -1,7 +1,6 @@
 """The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
-paired comparisons) and `curves.csv` (the data of every figure). Table cells are rounded percentages of the fractions
-the CSV holds. Every sentence that compares states a paired `Difference` through `difference_sentence` or its verdict:
-nothing is called higher or lower whose 95 % interval includes 0."""
+paired comparisons) and `curves.csv` (the data of every figure); table cells round the CSV's fractions to percentages.
+Comparing sentences are `difference_sentence`s: nothing whose 95 % interval includes 0 is called higher or lower."""
 
 from __future__ import annotations
 
@@ -45,9 +44,7 @@ from trustclip.files import read_json, write_json_atomic, write_text_atomic
 # ------------------------------------------------------------------------------------------------- numbers
 def fmt(x: float | None, scale: float = 100.0, digits: int = 1, sign: str = "") -> str:
     """scale * x rounded, 'n/a' for None or NaN; `sign` "+" for a signed difference (infinite bounds: '+inf')."""
-    if x is None or math.isnan(x):
-        return "n/a"
-    return ("+inf" if x > 0 else "-inf") if math.isinf(x) else f"{scale * x:{sign}.{digits}f}"
+    return "n/a" if x is None or math.isnan(x) else f"{scale * x:{sign}.{digits}f}"
 
 
 def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
@@ -93,20 +90,15 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
 
 def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], n_planned: int,
              n_finished: int, eval_every: int | None, reference: str, diffs: Sequence[Difference]) -> list[str]:
-    """The Findings: sentences generated from the paired intervals."""
+    """The Findings: sentences generated from the paired intervals; of the comparisons with the reference, the primary
+    outcome's only (lifting the resolved ones out of every outcome's would be fishing: they are in the paired table)."""
     avg, k = splits[-1], int(metrics[0].partition("@")[2])  # `splits_of`: the average is last
     primary = f"{title_of(avg)} {metrics[0].capitalize()}"
     out = [f"{n_finished} of {n_planned} planned runs finished; seeds per group: "
-           + ", ".join(f"{g.group} {g.n}" for g in groups) + "."]
+           + ", ".join(f"{g.group} {len(g.runs)}" for g in groups) + "."]
     if not any(g.group == reference for g in groups):
         out.append(f"The reference group {reference} has no finished run: no paired comparisons yet.")
     out += [difference_sentence(d, PRIMARY.label.format(k=k)) for d in diffs if d.outcome == PRIMARY.key]
-    if resolved := [d for d in diffs if d.outcome != PRIMARY.key and d.verdict in ("higher", "lower")]:
-        out.append("Other outcomes whose paired interval excludes 0: " + "; ".join(
-            f"{d.group} {(o := OUTCOME[d.outcome]).label.format(k=k)} {fmt_amount(d.mean, o)} {fmt_interval(d, o)} "
-            f"({d.verdict})" for d in resolved) + ".")
-    elif diffs:
-        out.append(f"No other outcome differs from {reference} by a paired interval that excludes 0.")
     # how RL moved each run: final policy - its own RL start, paired within the run (completions where recorded)
     changes = [(f"final/{avg}/{metrics[0]}", f"before/{avg}/{metrics[0]}", PRIMARY, f"held-out {primary}")] + [
         (f"completions/final/{avg}/{what}", f"completions/before/{avg}/{what}", o := OUTCOME[f"eval_{what}"],
@@ -114,19 +106,19 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
     out += [difference_sentence(paired_difference(g.values[final], g.values.get(start, {}), group=g.group,
                                                   ref="RL start", outcome=o.key), what, o)
             for final, start, o, what in changes for g in groups if final in g.values]
-    for label in dict.fromkeys(g.label for g in groups if g.sweep_key is not None):  # a sweep's trend: its slope
-        members = [g for g in groups if g.label == label and g.sweep_key is not None]
-        if len(members) >= 3 and all(isinstance(g.sweep_value, int | float) for g in members):
+    for label in dict.fromkeys(g.spec.label for g in groups if g.spec.sweep_key is not None):  # a sweep: its slope
+        members = [g for g in groups if g.spec.label == label and g.spec.sweep_key is not None]
+        if len(members) >= 3 and all(isinstance(g.spec.sweep_value, int | float) for g in members):
             for o in (PRIMARY, OUTCOME["pass@K"]):
-                d, log = sweep_trend({g.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
-                per = f"tenfold {members[0].sweep_key}" if log else f"unit of {members[0].sweep_key}"
+                d, log = sweep_trend({g.spec.sweep_value: g.values[o.key] for g in members}, group=label, outcome=o.key)
+                per = f"tenfold {members[0].spec.sweep_key}" if log else f"unit of {members[0].spec.sweep_key}"
                 if d.n:  # no seed has every swept value yet: no slope to state
                     out.append(difference_sentence(d, f"slope of {o.label.format(k=k)} per {per}", o))
     if intervals := sum(d.n >= 2 for d in diffs):
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
                    f"primary outcome is the final held-out {primary}.")
-    if max((g.n for g in groups), default=0) < 2:
+    if max((len(g.runs) for g in groups), default=0) < 2:
         out.append("With one seed per group there is no interval: nothing is called higher or lower.")
     checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
     out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final and the "
@@ -144,12 +136,10 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None
                       *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
-def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float, int]], seeds: bool = False,
-               extra: Sequence[Sequence[Any]] = ()) -> str:
+def stat_table(groups: Sequence[Group], columns: Sequence[tuple[str, str, float, int]]) -> str:
     """Groups x outcomes of the tidy table as mean ± std over seeds; `columns`: (head, outcome, scale, digits)."""
-    return _table(["Objective", *(["seeds"] if seeds else []), *(head for head, *_ in columns)], [
-        [g.group, *([g.n] if seeds else []), *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)]
-        for g in groups] + list(extra))
+    return _table(["Objective", *(head for head, *_ in columns)], [
+        [g.group, *(fmt_pm(g.stat(key), scale, digits) for _, key, scale, digits in columns)] for g in groups])
 
 
 def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str]) -> str:
@@ -161,9 +151,10 @@ def table2(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str
 
 def table3(groups: Sequence[Group], splits: Sequence[str], metric: str, start: dict[str, Stat] | None = None) -> str:
     """Paper Table 3 layout: final `metric` as mean ± std over seeds, per split and on average, in %."""
-    extra = [["*RL start (SFT model)*", max(st.n for st in start.values()), *(fmt_pm(start[s]) for s in splits)]
-             ] if start else []
-    return stat_table(groups, [(title_of(s), f"final/{s}/{metric}", 100.0, 1) for s in splits], seeds=True, extra=extra)
+    rows = [[g.group, len(g.runs), *(fmt_pm(g.stat(f"final/{s}/{metric}")) for s in splits)] for g in groups]
+    if start:
+        rows.append(["*RL start (SFT model)*", max(st.n for st in start.values()), *(fmt_pm(start[s]) for s in splits)])
+    return _table(["Objective", "seeds", *map(title_of, splits)], rows)
 
 
 def dynamics_table(groups: Sequence[Group]) -> str:
@@ -177,8 +168,7 @@ def dynamics_table(groups: Sequence[Group]) -> str:
 
 
 def completions_table(groups: Sequence[Group]) -> str | None:
-    """Held-out completions' length (and entropy, where recorded) at the RL start and at the end, on the held-out
-    average, per group; None when no run's evaluation recorded them."""
+    """Held-out length (and entropy) of the completions at the RL start and the end, per group; None if unrecorded."""
     stats = (("length", "length (tokens)", 1), ("entropy", "entropy (nats/token, T = 1)", 3))
     columns = [(f"{label}, {when_text}", f"completions/{when}/{AVERAGE}/{key}", 1.0, digits)
                for key, label, digits in stats
@@ -256,15 +246,13 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
            "held-out splits.", f"## Table 3 style: final {m0} in %, mean ± std over seeds (sample std)",
            table3(groups, splits, metrics[0], start), f"Final {m1} in %, mean ± std over seeds:",
            table3(groups, splits, metrics[1]), f"## Paired comparisons against {reference}"]
-    if not finished_reference:
-        md.append(f"_{reference} has no finished run yet._")
-    else:
-        md += [paired_table(diffs, k),
-               f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT "
-               f"model), on the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) "
-               f"of the mean difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only "
-               "when the interval excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the "
-               "method and its measured coverage: `docs/compare-statistics.md` in the trustclip repository."]
+    md += [f"_{reference} has no finished run yet._"] if not finished_reference else [
+        paired_table(diffs, k),
+        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), on "
+        f"the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) of the mean "
+        f"difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only when the interval "
+        "excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the method and its measured "
+        "coverage: `docs/compare-statistics.md` in the trustclip repository."]
     md += ["## Training dynamics (mean ± std over seeds)", dynamics_table(groups)]
     if (held_out := completions_table(groups)) is not None:
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
@@ -284,8 +272,8 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,
                 "shared_sft": [s.run_id for s in sft_runs], "figures": [str(p.relative_to(out)) for p in figs],
                 "outcomes": {o.key: o.label.format(k=k) for o in outcomes_of(groups)},
-                "groups": [{"group": g.group, "label": g.label, "objective": g.objective, "hparams": g.hparams,
-                            "sweep_key": g.sweep_key, "sweep_value": g.sweep_value,
+                "groups": [{"group": g.group, "label": g.spec.label, "objective": g.spec.objective,
+                            "hparams": g.spec.hparams, "sweep_key": g.spec.sweep_key, "sweep_value": g.spec.sweep_value,
                             "seeds": [r.spec.seed for r in g.runs]} for g in groups],
                 "comparisons": [d.to_dict() for d in diffs]}),
             } | {fig.stem: fig for fig in figs}

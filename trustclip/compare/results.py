@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,6 +75,7 @@ class RunRecord:
 
     spec: RunSpec
     k: int
+    metrics: tuple[str, str]  # ("mean@K", "pass@K"): the keys of each split's numbers
     final: dict[str, dict[str, float]]
     best: dict[str, dict[str, float]]
     before: dict[str, dict[str, float]] | None
@@ -85,27 +85,15 @@ class RunRecord:
     seconds: dict[str, float]
     completions: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # final|before -> split -> stats
 
-    @property
-    def metrics(self) -> tuple[str, str]:
-        return f"mean@{self.k}", f"pass@{self.k}"
-
-
-def _eval_file(path: Path) -> dict[str, Any] | None:
-    data = read_json(path)
-    if data is not None and not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
-        raise RunDataError(f"{path}: no 'metrics' mapping")
-    return data
-
 
 def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
     """Adds the `average` curve (mean over splits, like the `average` metrics) when every split has the same k."""
     curves = {s: c for s, c in curves.items() if s != AVERAGE}
-    if not curves or len({tuple(c.get("k", ())) for c in curves.values()}) != 1:
-        return curves
-    average = {"k": list(next(iter(curves.values()))["k"])} | {
-        kind: np.mean([c[kind] for c in curves.values()], axis=0).tolist() for kind in ("mean", "pass")
-        if all(kind in c for c in curves.values())}
-    return {**curves, AVERAGE: average}
+    if curves and len({tuple(c.get("k", ())) for c in curves.values()}) == 1:
+        curves[AVERAGE] = {"k": list(next(iter(curves.values()))["k"])} | {
+            kind: np.mean([c[kind] for c in curves.values()], axis=0).tolist() for kind in ("mean", "pass")
+            if all(kind in c for c in curves.values())}
+    return curves
 
 
 def load_run(spec: RunSpec) -> RunRecord:
@@ -117,7 +105,10 @@ def load_run(spec: RunSpec) -> RunRecord:
     name, _, k = metric.partition("@")
     if name != "mean" or not k.isdigit():
         raise RunDataError(f"{spec.run_dir / 'summary.json'}: 'metric' should look like 'mean@8', got {metric!r}")
-    after, before = (_eval_file(spec.run_dir / "eval" / f"{when}.json") for when in ("after", "before"))
+    after, before = (read_json(spec.run_dir / "eval" / f"{when}.json") for when in ("after", "before"))
+    for when, data in (("after", after), ("before", before)):
+        if data is not None and not (isinstance(data, dict) and isinstance(data.get("metrics"), dict)):
+            raise RunDataError(f"{spec.run_dir / 'eval' / when}.json: no 'metrics' mapping")
     if after is None:
         raise RunDataError(f"{spec.run_dir / 'eval' / 'after.json'} is missing: the run has no final evaluation "
                            "(the recipe must include the rl and eval stages)")
@@ -134,7 +125,7 @@ def load_run(spec: RunSpec) -> RunRecord:
     rl_steps = summary.get("rl_steps")
     history[rl_steps if isinstance(rl_steps, int) else max([*history, 0])] = final  # the last checkpoint
     best = {s: {m: max(h[s][m] for h in history.values() if m in h.get(s, {})) for m in metrics} for s in final}
-    return RunRecord(spec, int(k), final, best, start, dict(sorted(history.items())),
+    return RunRecord(spec, int(k), metrics, final, best, start, dict(sorted(history.items())),
                      _average_curve(after.get("curves") or {}), series,
                      {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
                      {w: e["completion_stats"] for w, e in (("final", after), ("before", before))
@@ -168,20 +159,15 @@ def tidy(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 @dataclass
 class Group:
-    """One (objective, sweep value): its finished runs and the tidy table pivoted to outcome -> seed -> value."""
+    """One (objective, sweep value): its first run's `spec`, its runs and the tidy table as outcome -> seed -> value."""
 
-    group: str
-    label: str
-    objective: str
-    hparams: dict[str, Any]
-    sweep_key: str | None
-    sweep_value: Any
+    spec: RunSpec
     runs: list[RunRecord]
     values: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
-    def n(self) -> int:
-        return len(self.runs)
+    def group(self) -> str:
+        return self.spec.group
 
     def stat(self, outcome: str) -> Stat:
         return stat(list(self.values.get(outcome, {}).values()))
@@ -194,9 +180,7 @@ def group_runs(records: Sequence[RunRecord]) -> list[Group]:
                            "share a table")
     groups: dict[str, Group] = {}
     for r in records:
-        s = r.spec
-        groups.setdefault(s.group, Group(s.group, s.label, s.objective, s.hparams, s.sweep_key, s.sweep_value, []))
-        groups[s.group].runs.append(r)
+        groups.setdefault(r.spec.group, Group(r.spec, [])).runs.append(r)
     for row in tidy(records):
         groups[row["group"]].values.setdefault(row["outcome"], {})[row["seed"]] = row["value"]
     return list(groups.values())
