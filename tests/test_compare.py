@@ -21,7 +21,7 @@ import pytest
 
 from trustclip.cli import main as cli_main
 from trustclip.compare import CompareSettings, plan_runs, run_compare
-from trustclip.compare.plan import parse_objectives, parse_seeds, parse_sweep, resolve_reference
+from trustclip.compare.plan import base_config, parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import COMPARE_LOCK, ChangedRunError, execute
 from trustclip.files import read_jsonl, try_lock, write_json_atomic
 from trustclip.train.config import load_config
@@ -96,8 +96,8 @@ def test_plan_is_seed_major_and_fixes_everything_but_the_objective(tmp_path):
 
 
 def test_periodic_evaluation_is_on_unless_turned_off(tmp_path):
-    def every(**kwargs) -> int:
-        return CompareSettings(output_dir=tmp_path, objectives=["clip"], **kwargs).base_config()["rl"]["eval_every"]
+    def every(overrides=()) -> int:
+        return base_config(None, overrides)["rl"]["eval_every"]
 
     default_steps = load_config().rl.max_steps
     assert every() == default_steps // 5  # the embedded default has none: compare adds 5 evaluation points

@@ -17,11 +17,9 @@ from trustclip.compare.report import write_report
 from trustclip.compare.results import RunDataError, group_runs, load_run
 from trustclip.compare.runner import check_changed, check_runs, execute, is_finished
 from trustclip.files import read_json, write_json_atomic
-from trustclip.train.config import parse_override
 
 SETTINGS_FILE = "compare.json"
 DEFAULT_SEEDS = 5  # fewer than 4 seeds can never give a bounded paired interval (docs/compare-statistics.md)
-EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 
 
 def read_saved(output_dir: str | Path) -> dict[str, Any] | None:
@@ -69,25 +67,14 @@ class CompareSettings(Experiment):
     def experiment(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k in EXPERIMENT_KEYS}
 
-    def base_config(self) -> dict[str, Any]:
-        """Recipe + overrides; where rl.eval_every is 0 and --set does not say so, EVAL_POINTS periodic evaluations
-        (the accuracy-vs-step figure)."""
-        base = planning.base_config(self.config, self.overrides)
-        if base["rl"]["eval_every"] == 0 and "rl.eval_every" not in {parse_override(o)[0] for o in self.overrides}:
-            base["rl"]["eval_every"] = max(1, base["rl"]["max_steps"] // EVAL_POINTS)
-        return base
-
     def plan(self) -> list[RunSpec]:
         """The runs; a report-only rebuild of the saved experiment plans from its saved base config (the recipe file
         may have changed since; the runs have not)."""
         saved = read_saved(self.output_dir) if self.report_only else None
         same = saved is not None and {k: saved.get(k) for k in EXPERIMENT_KEYS} == self.experiment()
-        return plan_runs(self.objectives, self.seeds, self.runs_root, sweep=planning.parse_sweep(self.sweep),
-                         base=(same and saved.get("base_config")) or self.base_config())
-
-    @property
-    def runs_root(self) -> Path:
-        return Path(self.runs_dir) if self.runs_dir else self.output_dir
+        base = (same and saved.get("base_config")) or planning.base_config(self.config, self.overrides)
+        return plan_runs(self.objectives, self.seeds, self.runs_dir or self.output_dir,
+                         sweep=planning.parse_sweep(self.sweep), base=base)
 
 
 def build_report(settings: CompareSettings, runs: list[RunSpec], failed: dict[str, str], reference: str,
@@ -134,10 +121,12 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
     else:
         check_changed(runs)  # refuse before touching compare.json
         write_json_atomic(settings.output_dir / SETTINGS_FILE, {
-            **settings.experiment(), "base_config": settings.base_config(), "reference": settings.reference,
+            **settings.experiment(), "base_config": planning.base_config(settings.config, settings.overrides),
+            "reference": settings.reference,
             "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        failed, interrupted = execute(runs, settings.runs_root, log_dir=settings.output_dir, jobs=settings.jobs,
-                                      threads=settings.threads_per_job, pipeline=settings.pipeline, progress=say)
+        failed, interrupted = execute(runs, settings.runs_dir or settings.output_dir, log_dir=settings.output_dir,
+                                      jobs=settings.jobs, threads=settings.threads_per_job, pipeline=settings.pipeline,
+                                      progress=say)
         if interrupted:
             return 130
     build_report(settings, runs, failed, reference, say)

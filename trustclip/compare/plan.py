@@ -1,7 +1,6 @@
 """An experiment as data: groups (each item of `--objectives` at each value of `--sweep`) x seeds, each run a full
-training config validated as `trustclip train` validates it, in a folder named by its settings, so that equal settings
-written differently share one run of a pool; with shared SFT, each seed's RL runs start from one SFT model, as in the
-paper."""
+training config validated as `trustclip train` validates it, in a folder named by its settings (equal settings written
+differently share one run of a pool); each seed's RL runs start from one SFT model, as in the paper."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dott
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
+EVAL_POINTS = 5  # periodic evaluations per run when the recipe has none (eval accuracy vs step)
 # (key, values) of `--sweep`: an objective hyper-parameter (`delta`) or, with a dot, a training option of every run
 Sweep = tuple[str, tuple[Any, ...]]
 
@@ -192,14 +192,18 @@ def parse_sweep(text: str | None) -> Sweep | None:
 
 # ----------------------------------------------------------------------------------------------- planning
 def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
-    """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict."""
+    """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict; where
+    rl.eval_every is 0 and --set does not say so, EVAL_POINTS periodic evaluations (the accuracy-vs-step figure)."""
     from trustclip.train.config import load_config, parse_override
 
-    for text in overrides:
-        key = parse_override(text)[0]
+    keys = [parse_override(text)[0] for text in overrides]
+    for text, key in zip(overrides, keys, strict=True):
         if key in ("seed", "output_dir", "resume", "rl.objective", "rl.objective_kwargs"):
             raise ValueError(f"--set {text!r}: {key} is set by compare itself (use --objectives/--seeds)")
-    return load_config(recipe, list(overrides)).to_dict()
+    base = load_config(recipe, list(overrides)).to_dict()
+    if base["rl"]["eval_every"] == 0 and "rl.eval_every" not in keys:
+        base["rl"]["eval_every"] = max(1, base["rl"]["max_steps"] // EVAL_POINTS)
+    return base
 
 
 def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | None, value: Any, root: Path) -> RunSpec:

@@ -118,8 +118,6 @@ def findings(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[s
         out.append(f"{intervals} paired intervals at {LEVEL:.0%} each, not adjusted for multiplicity: were no "
                    f"difference real, about {(1 - LEVEL) * intervals:.1f} of them would exclude 0 by chance. The "
                    f"primary outcome is the final held-out {primary}.")
-    if max((len(g.runs) for g in groups), default=0) < 2:
-        out.append("With one seed per group there is no interval: nothing is called higher or lower.")
     checkpoints = sorted({len(r.history) for g in groups for r in g.runs})
     out.append("Only the RL start and the final policy were evaluated (rl.eval_every = 0), so best = final and the "
                "accuracy-vs-step figure has two points; `--set rl.eval_every=N` adds checkpoints." if checkpoints == [1]
@@ -162,9 +160,8 @@ def dynamics_table(groups: Sequence[Group]) -> str:
     columns = [(f"{label} ({'mean over RL' if how == 'mean' else how})", f"dynamics/{key} ({how})", 1.0, digits)
                for key, (label, how, digits) in SERIES.items()
                if any(f"dynamics/{key} ({how})" in g.values for g in groups)]
-    if not columns:
-        return "_No RL metrics were logged._"
-    return stat_table(groups, [*columns, ("seconds per run", "seconds", 1.0, 0)])
+    seconds = ("seconds per run", "seconds", 1.0, 0)
+    return stat_table(groups, [*columns, seconds]) if columns else "_No RL metrics were logged._"
 
 
 def completions_table(groups: Sequence[Group]) -> str | None:
@@ -205,12 +202,9 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
     figs, curve_rows = make_figures(groups, splits, metrics, out / "figures", window)
-    start, start_spread = start_stats(groups, splits, metrics[0])
+    start = start_stats(groups, splits, metrics[0])
     missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
     text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
-    if start_spread > 1e-9:
-        text.append(f"Runs of the same seed started RL from SFT models whose {m0} differs by up to "
-                    f"{fmt(start_spread)} points: SFT is not bit-reproducible here.")
     seconds = stat([r.seconds.get("total", math.nan) for r in records])
     sft = stat([(s.get("seconds") or {}).get("total", math.nan) for spec in sft_runs
                 if isinstance(s := read_json(spec.run_dir / "summary.json"), dict)])
@@ -258,10 +252,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
-    md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs), "## Files",
-           "`results.csv`: every number of every run, a row per (run, outcome), fractions unrounded; `results.json`: "
-           "the settings and the paired comparisons; `curves.csv`: the data of every figure; `compare_log.jsonl`: run "
-           "starts / finishes / failures; `runs/`: each run's own files."]
+    md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs)]
     return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
             "csv": _write_csv(out / "results.csv", tidy([r for g in groups for r in g.runs]),
                               ["run", "group", "seed", "outcome", "value"]),

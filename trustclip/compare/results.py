@@ -205,15 +205,14 @@ def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Differen
                               outcome=o.key) for g in groups if g is not ref for o in outcomes_of(groups)]
 
 
-def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> tuple[dict[str, Stat], float]:
-    """RL-start (SFT) metric per split over distinct seeds, and the largest disagreement between runs of the same
-    seed (0 when SFT is deterministic per seed: every objective starts from the same model)."""
-    starts: dict[str, dict[int, list[float]]] = {s: {} for s in splits}  # split -> seed -> its runs' RL starts
+def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> dict[str, Stat]:
+    """The RL start's `metric` per split over seeds, each seed once (its first group's: the runs of a seed start RL
+    from its one SFT model)."""
+    starts: dict[str, dict[int, float]] = {s: {} for s in splits}  # split -> seed -> its RL start
     for g, s in ((g, s) for g in groups for s in splits):
         for seed, value in g.values.get(f"before/{s}/{metric}", {}).items():
-            starts[s].setdefault(seed, []).append(value)
-    spread = max((max(v) - min(v) for by_seed in starts.values() for v in by_seed.values()), default=0.0)
-    return {s: stat([v[0] for v in by_seed.values()]) for s, by_seed in starts.items()}, spread
+            starts[s].setdefault(seed, value)
+    return {s: stat(list(by_seed.values())) for s, by_seed in starts.items()}
 
 
 def title_of(split: str) -> str:

@@ -1,9 +1,8 @@
-"""A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) that trains
-RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would. Not the train CLI
-itself: its --resume reads the config.yaml that the real pipeline writes and the tests' `--pipeline` stand-in does not.
-One thread starts the workers and polls them: nothing but the pool's file lock is shared. Ctrl-C, SIGTERM and SIGHUP
-stop the workers; a compare killed with SIGKILL leaves them to finish the runs they are on (nothing is lost), holding
-the pool's lock until they end."""
+"""A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) training
+RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would (not the train CLI: its
+--resume reads the config.yaml that the tests' `--pipeline` stand-in does not write). One thread starts and polls the
+workers. Ctrl-C, SIGTERM and SIGHUP stop them; after a SIGKILL of the compare they finish the runs they are on (nothing
+is lost), holding the pool's lock."""
 
 from __future__ import annotations
 
