@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -374,11 +375,17 @@ FAKE_PIPELINE = textwrap.dedent('''
         with open(out / "calls.txt", "a") as fh:
             fh.write(f"resume={config.resume} stages={','.join(config.stages)} model={config.model.name_or_path}\\n")
         if "rl" not in config.stages:  # a shared SFT run
+            if os.environ.get("FAKE_FAIL") == "sft":
+                raise RuntimeError("boom")
             (out / "sft" / "final").mkdir(parents=True, exist_ok=True)
             (out / "sft" / "final" / "config.json").write_text("{}")
             (out / "summary.json").write_text(json.dumps({"metric": "mean@2", "seconds": {"total": 0.5}}))
             return {}
         time.sleep(float(os.environ.get("FAKE_DELAY_" + objective, "0")))
+        gate, waited = os.environ.get("FAKE_GATE_" + objective), 0.0
+        while gate and not os.path.exists(gate) and waited < 120:  # held until the test opens the gate
+            time.sleep(0.1)
+            waited += 0.1
         if os.environ.get("FAKE_FAIL") == objective:
             raise RuntimeError("boom")
         splits = ["s1", "s2"]
@@ -404,6 +411,8 @@ FAKE_PIPELINE = textwrap.dedent('''
                     row.update({f"eval/{s}/{k}": v + (0.05 if s == "s1" else -0.05)
                                 for s, ms in after.items() for k, v in ms.items()})
                 fh.write(json.dumps(row) + "\\n")
+        if os.environ.get("FAKE_NO_SUMMARY") == objective:
+            return {}
         summary = {"metric": "mean@2", "accuracy_after": {s: m["mean@2"] for s, m in after.items()},
                    "seconds": {"total": 1.5}, "rl_steps": 10}
         (out / "summary.json").write_text(json.dumps(summary))
@@ -687,68 +696,109 @@ def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(
 
 
 def test_killed_compare_leaves_its_worker_to_finish_and_the_rerun_skips_it(fake_env):
-    """SIGKILL the compare while its second run is in progress: the orphaned worker finishes that run, holding the
+    """SIGKILL the compare while its RL run is in progress: the orphaned worker finishes that run, holding the
     pool's lock (a rerun meanwhile is refused, naming how to find it), and the rerun then starts nothing."""
     out = fake_env
-    cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "clip,atr", "--seeds", "1",
+    cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "atr", "--seeds", "1",
            "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_DELAY_kl3": "25"}, stdout=subprocess.DEVNULL,
+    gate = out.parent / "gate"
+    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_GATE_kl3": str(gate)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     orphan_dir = out / "runs" / "kl3" / "seed0"
     deadline = time.time() + 120
     while not (orphan_dir / "calls.txt").is_file():
-        assert time.time() < deadline and proc.poll() is None, "the second run never started"
+        assert time.time() < deadline and proc.poll() is None, "the RL run never started"
         time.sleep(0.2)
-    first_marker = out / "runs" / "clip" / "seed0" / "summary.json"
+    first_marker = out / "runs" / "_sft" / "seed0" / "summary.json"
     mtime = first_marker.stat().st_mtime_ns
     worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    meanwhile = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
-    assert meanwhile.returncode == 2 and "pgrep -f trustclip.compare.runner" in meanwhile.stderr
-    assert _alive(worker_pid)
-    deadline = time.time() + 120
-    while _alive(worker_pid):
-        assert time.time() < deadline, "the orphaned worker never ended"
-        time.sleep(0.2)
+    saved = (out / "compare.json").stat().st_mtime_ns
+    try:
+        meanwhile = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
+        assert meanwhile.returncode == 2 and "pgrep -f trustclip.compare.runner" in meanwhile.stderr
+        assert _alive(worker_pid) and (out / "compare.json").stat().st_mtime_ns == saved  # refused before writing
+        gate.touch()
+        deadline = time.time() + 120
+        while _alive(worker_pid):
+            assert time.time() < deadline, "the orphaned worker never ended"
+            time.sleep(0.2)
+    finally:
+        if _alive(worker_pid):
+            os.killpg(worker_pid, signal.SIGKILL)
     assert (orphan_dir / "summary.json").is_file()
     n = len(events(out))
     result = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     rerun = events(out, n)
-    assert started(rerun) == [] and [r["run"] for r in rerun if r["event"] == "skip"] == [
-        "_sft/seed0", "clip/seed0", "atr/seed0"]
+    assert started(rerun) == [] and [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0", "atr/seed0"]
     assert [line.split()[0] for line in (orphan_dir / "calls.txt").read_text().splitlines()] == ["resume=False"]
     assert first_marker.stat().st_mtime_ns == mtime
 
 
-def test_ctrl_c_stops_the_running_workers_and_the_rerun_resumes_them(fake_env):
-    """SIGINT (Ctrl-C) while a run is in progress: the compare stops its worker, logs the run as interrupted and
-    exits 130; the rerun skips the finished runs and resumes the stopped one (the trainer's resume)."""
-    out = fake_env
-    cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "clip,atr", "--seeds", "1",
-           "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_DELAY_kl3": "60"}, stdout=subprocess.PIPE, text=True)
-    stopped_dir = out / "runs" / "kl3" / "seed0"
-    deadline = time.time() + 120
-    while not (stopped_dir / "calls.txt").is_file():
-        assert time.time() < deadline and proc.poll() is None, "the run never started"
-        time.sleep(0.2)
-    worker_pid = next(r["pid"] for r in events(out) if r["event"] == "start" and r["run"] == "atr/seed0")
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=30) == 130
-    assert "interrupted: stopped 1 running run(s)" in proc.stdout.read()
-    assert not _alive(worker_pid)
-    assert [r["run"] for r in events(out) if r["event"] == "interrupted"] == ["atr/seed0"]
-    n = len(events(out))
-    result = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    rerun = events(out, n)
-    assert started(rerun) == ["atr/seed0"] and next(r for r in rerun if r["event"] == "start")["resumed"] is True
-    assert [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0", "clip/seed0"]
-    assert [line.split()[0] for line in (stopped_dir / "calls.txt").read_text().splitlines()] == [
+def test_a_failed_sft_run_fails_its_rl_runs_without_starting_them(fake_env, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL", "sft")
+    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 1
+    reasons = {r["run"]: r["reason"] for r in events(fake_env) if r["event"] == "fail"}
+    assert reasons["clip/seed0"] == "its SFT run _sft/seed0 failed" and "code 1" in reasons["_sft/seed0"]
+    assert started(events(fake_env)) == ["_sft/seed0"]
+
+
+def test_a_pipeline_that_writes_no_summary_fails_its_run(fake_env, monkeypatch):
+    monkeypatch.setenv("FAKE_NO_SUMMARY", "clip")
+    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 1
+    reason = next(r["reason"] for r in events(fake_env) if r["event"] == "fail")
+    assert reason.startswith("the pipeline returned without writing summary.json; log: ")
+
+
+def _signal_when_running(run_dir: Path, sig: int, then=None) -> None:
+    """(A thread) once the run's worker has started, send `sig` to this process, then call `then`."""
+    def send() -> None:
+        deadline = time.time() + 120
+        while not (run_dir / "calls.txt").is_file() and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), sig)
+        if then is not None:
+            time.sleep(1.0)
+            then()
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])  # Ctrl-C, a closed terminal (SIGTERM: the same path)
+def test_a_stop_signal_stops_the_workers_and_the_rerun_resumes_them(fake_env, monkeypatch, sig):
+    """The signal while a run is in progress: its worker is stopped, the run logged as interrupted, the compare exits
+    130 with its handlers restored; the rerun resumes that run (the trainer's resume) and starts nothing else."""
+    gate, run_dir, said = fake_env.parent / "gate", fake_env / "runs" / "clip" / "seed0", []
+    monkeypatch.setenv("FAKE_GATE_clip", str(gate))  # the run waits for the gate
+    before = signal.getsignal(sig)
+    _signal_when_running(run_dir, sig)
+    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=said.append) == 130
+    assert signal.getsignal(sig) is before and any("interrupted: stopped 1 running run(s)" in s for s in said)
+    assert not _alive(next(r["pid"] for r in events(fake_env) if r["event"] == "start" and r["run"] == "clip/seed0"))
+    assert [r["run"] for r in events(fake_env) if r["event"] == "interrupted"] == ["clip/seed0"]
+    gate.touch()
+    n = len(events(fake_env))
+    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 0
+    rerun = events(fake_env, n)
+    assert started(rerun) == ["clip/seed0"] and next(r for r in rerun if r["event"] == "start")["resumed"] is True
+    assert [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0"]
+    assert [line.split()[0] for line in (run_dir / "calls.txt").read_text().splitlines()] == [
         "resume=False", "resume=True"]
-    assert "2 already finished, 1 to run" in result.stdout
+
+
+def test_a_hangup_ignored_by_nohup_stays_ignored(fake_env, monkeypatch):
+    """`nohup trustclip compare ...`: SIGHUP was ignored when the compare started, so a hang-up does not stop it."""
+    gate = fake_env.parent / "gate"
+    monkeypatch.setenv("FAKE_GATE_clip", str(gate))
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        _signal_when_running(fake_env / "runs" / "clip" / "seed0", signal.SIGHUP, then=gate.touch)
+        assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 0
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _alive(pid: int) -> bool:

@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--config", metavar="RECIPE.yaml", help="training recipe shared by all runs (default: the "
                       "embedded CPU setting of `trustclip train`)")
     what.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
-                      help="override a recipe option for every run, e.g. rl.max_steps=100 (repeatable)")
+                      help="override a recipe option for every run, e.g. rl.max_steps=100 (repeatable); where the "
+                      "recipe has rl.eval_every 0, compare evaluates every max_steps // 5 steps (the accuracy-vs-step "
+                      "figure; --set rl.eval_every=0 turns that off)")
     what.add_argument("--sweep", metavar="KEY=V1,V2,...", help="sweep an objective hyper-parameter (applied to the "
                       "objectives that have it; the others run once) or a dotted training option (all runs)")
     where = parser.add_argument_group("execution")
@@ -79,8 +81,9 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
                              f"give the experiment again with --objectives and --set rl.eval_every={every}")
         if saved.get("share_sft") is False:  # its runs each did their own SFT: this version would plan other runs
             raise ValueError(f"{out / SETTINGS_FILE} was saved with --no-share-sft, an option that was removed (the "
-                             "runs of a seed now start RL from one SFT run): give the experiment again with "
-                             "--objectives, in a new --output-dir")
+                             "runs of a seed now start RL from one SFT run; its runs cannot be reported): give the "
+                             "experiment again with --objectives, in a new --output-dir (and --runs-dir, if it had "
+                             "one)")
         if flags := [flag for flag, value in given.items() if value is not None]:
             raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")

@@ -15,7 +15,7 @@ from trustclip.compare import plan as planning
 from trustclip.compare.plan import RunSpec, plan_runs
 from trustclip.compare.report import write_report
 from trustclip.compare.results import RunDataError, group_runs, load_run
-from trustclip.compare.runner import check_changed, check_runs, execute, is_finished
+from trustclip.compare.runner import check_runs, execute, is_finished
 from trustclip.files import read_json, write_json_atomic
 
 SETTINGS_FILE = "compare.json"
@@ -119,14 +119,12 @@ def run_compare(settings: CompareSettings, say: Callable[[str], None] = print) -
         if (saved := read_saved(settings.output_dir)) is not None and saved.get("reference") != settings.reference:
             write_json_atomic(settings.output_dir / SETTINGS_FILE, {**saved, "reference": settings.reference})
     else:
-        check_changed(runs)  # refuse before touching compare.json
-        write_json_atomic(settings.output_dir / SETTINGS_FILE, {
-            **settings.experiment(), "base_config": planning.base_config(settings.config, settings.overrides),
-            "reference": settings.reference,
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        failed, interrupted = execute(runs, settings.runs_dir or settings.output_dir, log_dir=settings.output_dir,
-                                      jobs=settings.jobs, threads=settings.threads_per_job, pipeline=settings.pipeline,
-                                      progress=say)
+        saved = {**settings.experiment(), "base_config": planning.base_config(settings.config, settings.overrides),
+                 "reference": settings.reference, "updated": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        failed, interrupted = execute(  # compare.json is written once the pool is ours and its runs are unchanged
+            runs, settings.runs_dir or settings.output_dir, log_dir=settings.output_dir, jobs=settings.jobs,
+            threads=settings.threads_per_job, pipeline=settings.pipeline, progress=say,
+            on_locked=lambda: write_json_atomic(settings.output_dir / SETTINGS_FILE, saved))
         if interrupted:
             return 130
     build_report(settings, runs, failed, reference, say)

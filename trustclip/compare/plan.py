@@ -258,7 +258,7 @@ def plan_runs(objectives: Sequence[str], seeds: Sequence[int], root: str | Path,
               sweep: Sweep | None = None, base: dict[str, Any] | None = None) -> list[RunSpec]:
     """Every run of the comparison, seed-major (all groups of seed 0 first, so a stopped compare already has
     complete seeds), each validated; each seed's SFT run (when the runs have an SFT stage) comes first. `base` (a
-    TrainConfig dict) replaces the embedded default + `overrides`. Raises ValueError on any bad input."""
+    TrainConfig dict) replaces `base_config(None, overrides)`. Raises ValueError on any bad input."""
     entries = [parse_entry(label) for label in parse_objectives(objectives)]
     if not seeds:
         raise ValueError("no seeds given")

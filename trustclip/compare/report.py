@@ -52,11 +52,6 @@ def fmt_pm(s: Stat, scale: float = 100.0, digits: int = 1) -> str:
     return fmt(s.mean, scale, digits) + (f" ± {fmt(s.std, scale, digits)}" if s.n > 1 else "")
 
 
-def fmt_amount(x: float, o: Outcome = PRIMARY) -> str:
-    """'+1.2 points': a difference in the outcome's unit."""
-    return fmt(x, o.scale, o.digits, "+") + o.unit
-
-
 def fmt_interval(d: Difference, o: Outcome = PRIMARY, head: str = "") -> str:
     """'[-0.4, +2.1]' in the outcome's unit, `head` inside the bracket ('n/a' below 2 seeds)."""
     return "n/a" if d.n < 2 else f"[{head}{fmt(d.low, o.scale, o.digits, '+')}, {fmt(d.high, o.scale, o.digits, '+')}]"
@@ -76,7 +71,7 @@ def difference_sentence(d: Difference, what: str, o: Outcome = PRIMARY) -> str:
         return head + "no seed has both runs finished."
     if d.verdict == "identical":
         return head + f"identical on all {d.n} paired seed(s) (every difference is exactly 0)."
-    text = head + fmt_amount(d.mean, o)
+    text = head + fmt(d.mean, o.scale, o.digits, "+") + o.unit  # '+1.2 points': in the outcome's unit
     if d.n < 2:
         return text + f" on one paired seed (seed {d.seeds[0]}): no interval with one seed, nothing is claimed."
     text += f" {fmt_interval(d, o, f'{LEVEL:.0%} CI ')}, n = {d.n} paired seeds"
@@ -179,7 +174,8 @@ def paired_table(diffs: Sequence[Difference], k: int) -> str:
     if not diffs:
         return "_No other group to compare with the reference._"
     return _table(["Group", "Outcome", "Difference", f"{LEVEL:.0%} CI", "n", "Verdict", "Seeds needed"], [
-        [d.group, (o := OUTCOME[d.outcome]).label.format(k=k), fmt_amount(d.mean, o), fmt_interval(d, o), d.n,
+        [d.group, (o := OUTCOME[d.outcome]).label.format(k=k), fmt(d.mean, o.scale, o.digits, "+") + o.unit,
+         fmt_interval(d, o), d.n,
          d.verdict, needed_text(d)] for d in diffs], "|---|---:|---:|---:|---|---:")
 
 
@@ -225,8 +221,10 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
            else " and its hyper-parameters") + " differ between runs",
         f"- Run time (each run's own summary.json): {fmt_pm(seconds, 1.0, 0)} s per RL run, "
         f"{math.fsum(seconds.values) / 60:.1f} min summed over {seconds.n} runs"]
+    # a swept option that changes SFT gives each of its values its own SFT run
+    start_model = "the same SFT model" if len(sft_runs) == len({s.seed for s in sft_runs}) else "its value's SFT model"
     if sft_runs:
-        setting.append(f"- SFT shared per seed: every objective of a seed starts RL from the same SFT model "
+        setting.append(f"- SFT shared per seed: every objective of a seed starts RL from {start_model} "
                        f"({len(sft_runs)} SFT run(s) in `runs/_sft*`, {fmt_pm(sft, 1.0, 0)} s each; not included in "
                        "the seconds per run below)")
     # the blocks of report.md, separated by blank lines
@@ -242,7 +240,7 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
            table3(groups, splits, metrics[1]), f"## Paired comparisons against {reference}"]
     md += [f"_{reference} has no finished run yet._"] if not finished_reference else [
         paired_table(diffs, k),
-        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from the same SFT model), on "
+        f"Difference = group - **{reference}** per seed (the runs of one seed start RL from {start_model}), on "
         f"the seeds both groups have finished; {LEVEL:.0%} CI: studentised bootstrap (bootstrap-t) of the mean "
         f"difference ({RESAMPLES} resamples), unbounded with 2-3 seeds; verdict higher / lower only when the interval "
         "excludes 0; seeds needed: for a paired t-test at power 0.8. The outcomes, the method and its measured "

@@ -206,13 +206,12 @@ def paired_comparisons(groups: Sequence[Group], reference: str) -> list[Differen
 
 
 def start_stats(groups: Sequence[Group], splits: Sequence[str], metric: str) -> dict[str, Stat]:
-    """The RL start's `metric` per split over seeds, each seed once (its first group's: the runs of a seed start RL
-    from its one SFT model)."""
-    starts: dict[str, dict[int, float]] = {s: {} for s in splits}  # split -> seed -> its RL start
-    for g, s in ((g, s) for g in groups for s in splits):
-        for seed, value in g.values.get(f"before/{s}/{metric}", {}).items():
-            starts[s].setdefault(seed, value)
-    return {s: stat(list(by_seed.values())) for s, by_seed in starts.items()}
+    """The RL start's `metric` per split over the SFT models the runs started from (one per seed, or per seed and swept
+    value when the sweep changes SFT), each once; without SFT runs, each seed once."""
+    starts: dict[str, dict[Any, float]] = {s: {} for s in splits}  # split -> SFT run (or seed) -> its RL start
+    for r, s in ((r, s) for g in groups for r in g.runs for s in splits if r.before and s in r.before):
+        starts[s].setdefault(r.spec.depends_on.run_id if r.spec.depends_on else r.spec.seed, r.before[s][metric])
+    return {s: stat(list(by_start.values())) for s, by_start in starts.items()}
 
 
 def title_of(split: str) -> str:

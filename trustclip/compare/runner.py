@@ -79,13 +79,13 @@ def prepare_run_dir(spec: RunSpec, pipeline: str | None = None) -> bool:
 
 
 def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | None = None, jobs: int | None = None,
-            threads: int | None = None, pipeline: str | None = None,
-            progress: Callable[[str], None] = print) -> tuple[dict[str, str], bool]:
+            threads: int | None = None, pipeline: str | None = None, progress: Callable[[str], None] = print,
+            on_locked: Callable[[], None] = lambda: None) -> tuple[dict[str, str], bool]:
     """Run every unfinished run of the pool `root`, `jobs` at a time (default min(2, cores)), each worker with `threads`
     torch threads (default cores // jobs, so parallel runs do not oversubscribe the cores): SFT runs first, then the
     others in plan order, an RL run once its SFT run has ended. Starts, finishes and failures go to `log_dir` (default
-    `root`)/compare_log.jsonl. Safe to call again after any interruption (a partial run resumes). Returns
-    ({failed run id: why}, interrupted)."""
+    `root`)/compare_log.jsonl; `on_locked` is called once the pool is locked and its runs checked. Safe to call again
+    after any interruption (a partial run resumes). Returns ({failed run id: why}, interrupted)."""
     for name, value in (("jobs", jobs), ("threads", threads)):
         if value is not None and not value > 0:  # jobs <= 0 would wait for a free slot forever
             raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -127,6 +127,8 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             log("finish", spec.run_id, seconds=seconds)
             clock = time.strftime("%H:%M:%S", time.gmtime(seconds))
             return say(f"< done  {spec.run_id} in {clock} [{len(finished) + len(skipped)}/{len(runs)}]")
+        if stopping.is_set():  # it ended with the compare (a scheduler signals every process of the job): not a failure
+            return log("interrupted", spec.run_id, seconds=seconds)
         path = spec.run_dir / WORKER_LOG
         lines = path.read_text(errors="replace").replace("\r", "\n").strip().splitlines()
         why = (f"worker exited with code {process.returncode}" if process.returncode
@@ -140,17 +142,27 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         raise RuntimeError(f"another compare (pid {(Path(root) / COMPARE_LOCK).read_text().strip() or '?'}) or its "
                            f"workers (`pgrep -f {__name__}`) are still running in {root}; wait for them or stop them")
     stopping = threading.Event()  # set by a STOP_SIGNAL: the loop ends, the running workers are stopped
+
+    def stop(*_: Any) -> None:
+        """A STOP_SIGNAL: stop the compare, once (a second Ctrl-C must not cut the stopping of the workers short)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        stopping.set()
+
     with pool_lock:
         check_changed(runs)
+        on_locked()
         skipped = [spec.run_id for spec in runs if is_finished(spec)]
         queue = sorted((spec for spec in runs if spec.run_id not in skipped), key=lambda spec: spec.kind != "sft")
         for run_id in skipped:
             log("skip", run_id)
         say(f"{len(runs)} runs: {len(skipped)} already finished, {len(queue)} to run ({jobs} in parallel, "
             f"{threads} torch thread(s) each)")
-        handlers = {}
-        with contextlib.suppress(ValueError):  # not the main thread: no handlers
-            handlers = {sig: signal.signal(sig, lambda *_: _stop(stopping)) for sig in STOP_SIGNALS}
+        # the handlers to restore, read before any is set; one ignored (nohup, a background job) stays ignored
+        main = threading.current_thread() is threading.main_thread()  # (only the main thread sets handlers)
+        handlers = {sig: h for sig in STOP_SIGNALS if main and (h := signal.getsignal(sig)) is not signal.SIG_IGN}
+        for sig in handlers:
+            signal.signal(sig, stop)
         try:
             while (queue or running) and not stopping.is_set():
                 waiting = {spec.run_id for spec in queue} | set(running)  # an RL run waits while its SFT run does
@@ -170,19 +182,12 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
             for run_id, (_, _, started, _) in running.items():
                 log("interrupted", run_id, seconds=time.time() - started)
             for sig, handler in handlers.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a handler set in C
             if stopping.is_set():  # said last: after SIGHUP there may be no terminal to say it to
                 say(f"interrupted: stopped {len(running)} running run(s); rerun the same command to resume")
     say(f"ran {len(finished)} run(s) in {time.time() - t0:.0f} s; {len(skipped)} were already finished; "
         f"{len(failed)} failed")
     return failed, stopping.is_set()
-
-
-def _stop(stopping: threading.Event) -> None:
-    """A STOP_SIGNAL: stop the compare, once (a second Ctrl-C must not cut the stopping of the workers short)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    stopping.set()
 
 
 def _kill(processes: Sequence[subprocess.Popen]) -> None:
