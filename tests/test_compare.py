@@ -453,6 +453,13 @@ def fake_settings(out: Path, objectives=("clip", "atr"), seeds=(0, 1, 2), **kwar
                            jobs=2, **kwargs)
 
 
+def one_rl_run(out: Path) -> CompareSettings:
+    """clip, seed 0, without an SFT stage: one worker (each worker start imports torch: seconds)."""
+    settings = fake_settings(out, objectives=("clip",), seeds=(0,))
+    settings.overrides.append("stages=[rl, eval]")
+    return settings
+
+
 FIVE = (0, 1, 2, 3, 4)
 
 
@@ -747,7 +754,7 @@ def test_a_failed_sft_run_fails_its_rl_runs_without_starting_them(fake_env, monk
 
 def test_a_pipeline_that_writes_no_summary_fails_its_run(fake_env, monkeypatch):
     monkeypatch.setenv("FAKE_NO_SUMMARY", "clip")
-    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 1
+    assert run_compare(one_rl_run(fake_env), say=lambda s: None) == 1
     reason = next(r["reason"] for r in events(fake_env) if r["event"] == "fail")
     assert reason.startswith("the pipeline returned without writing summary.json; log: ")
 
@@ -774,16 +781,16 @@ def test_a_stop_signal_stops_the_workers_and_the_rerun_resumes_them(fake_env, mo
     monkeypatch.setenv("FAKE_GATE_clip", str(gate))  # the run waits for the gate
     before = signal.getsignal(sig)
     _signal_when_running(run_dir, sig)
-    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=said.append) == 130
+    assert run_compare(one_rl_run(fake_env), say=said.append) == 130
     assert signal.getsignal(sig) is before and any("interrupted: stopped 1 running run(s)" in s for s in said)
     assert not _alive(next(r["pid"] for r in events(fake_env) if r["event"] == "start" and r["run"] == "clip/seed0"))
     assert [r["run"] for r in events(fake_env) if r["event"] == "interrupted"] == ["clip/seed0"]
     gate.touch()
     n = len(events(fake_env))
-    assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 0
+    assert run_compare(one_rl_run(fake_env), say=lambda s: None) == 0
     rerun = events(fake_env, n)
     assert started(rerun) == ["clip/seed0"] and next(r for r in rerun if r["event"] == "start")["resumed"] is True
-    assert [r["run"] for r in rerun if r["event"] == "skip"] == ["_sft/seed0"]
+    assert [r["run"] for r in rerun if r["event"] == "skip"] == []
     assert [line.split()[0] for line in (run_dir / "calls.txt").read_text().splitlines()] == [
         "resume=False", "resume=True"]
 
@@ -795,7 +802,7 @@ def test_a_hangup_ignored_by_nohup_stays_ignored(fake_env, monkeypatch):
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         _signal_when_running(fake_env / "runs" / "clip" / "seed0", signal.SIGHUP, then=gate.touch)
-        assert run_compare(fake_settings(fake_env, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 0
+        assert run_compare(one_rl_run(fake_env), say=lambda s: None) == 0
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
