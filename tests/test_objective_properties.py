@@ -80,10 +80,13 @@ def test_appending_padding_changes_nothing(name, data, aggregation, pad, junk):
 
     loss_p, grad_p, metrics_p = run(objective, padded(logp, junk), padded(old, junk), adv, padded(mask, False),
                                     padded(entropy, junk), padded(full_kl, junk), aggregation)
-    # Only float rounding may differ (sums over longer rows); float64 is held to 1e-10.
+    # Only float rounding may differ (sums over longer rows); float64 is held to 1e-10. The loss and its gradient are
+    # sums of terms up to |A| times a ratio weight, which can cancel to a small total: their absolute rounding error
+    # scales with the largest |A| (a 1e-4 relative difference at |A| = 148 in float32 is rounding, not padding).
     tol = {"rtol": 1e-5, "atol": 1e-6} if logp.dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
-    torch.testing.assert_close(loss_p, loss, **tol)
-    torch.testing.assert_close(grad_p[:, : logp.shape[1]], grad, **tol)
+    scaled = {**tol, "atol": tol["atol"] * max(1.0, float(adv.abs().max()))}
+    torch.testing.assert_close(loss_p, loss, **scaled)
+    torch.testing.assert_close(grad_p[:, : logp.shape[1]], grad, **scaled)
     assert (grad_p[:, logp.shape[1]:] == 0).all()
     assert metrics_p == pytest.approx(metrics, rel=tol["rtol"], abs=tol["atol"])
 
