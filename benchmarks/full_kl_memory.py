@@ -132,6 +132,7 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
 
     from trustclip.models import load_model_and_tokenizer
     from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.trainers.compat import checkpointing_off
 
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(MODEL)
@@ -144,8 +145,8 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
         max_completion_length=args.max_tokens, generation_kwargs={"min_new_tokens": args.max_tokens},
         temperature=args.temperature, learning_rate=2e-4, use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, activation_checkpointing=False,
-        gradient_checkpointing=None, dataloader_num_workers=0,
+        save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True, **checkpointing_off(),
+         dataloader_num_workers=0,
     )
     trainer = TrustClipGRPOTrainer(
         model, reward_funcs=lambda completions, **_: [sum(c.isdigit() for c in x) / max(len(x), 1)

@@ -58,13 +58,14 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
 
     from trustclip.data import build_prompt_rows, make_synthetic_splits
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
+    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     rows = build_prompt_rows(make_synthetic_splits(0, n_train=512, n_eval=1)["train"], tokenizer)
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     common = dict(output_dir=f"/tmp/trustclip-bench-{kind}", max_steps=steps, per_device_train_batch_size=32,
                   num_generations=8, max_completion_length=32, learning_rate=1e-4, num_iterations=2, seed=0,
-                  use_cpu=True, bf16=False, activation_checkpointing=False, gradient_checkpointing=None,
+                  use_cpu=True, bf16=False, **checkpointing_off(),
                   report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, temperature=1.0)
 
     trainer = build_trainer(kind, model, tokenizer, dataset, digit_fraction, objective, aggregation, **common)
@@ -103,11 +104,12 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, re
     from datasets import Dataset
 
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
+    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     common = dict(output_dir="/tmp/trustclip-bench-micro", per_device_train_batch_size=32, num_generations=8,
                   max_completion_length=32, num_iterations=2, use_cpu=True, bf16=False,
-                  activation_checkpointing=False, gradient_checkpointing=None, report_to="none")
+                  **checkpointing_off(), report_to="none")
     data = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 8)
 
     trl, ours = (build_trainer(kind, copy.deepcopy(model), tokenizer, data, digit_fraction, objective, aggregation,

@@ -22,6 +22,15 @@ import pytest  # noqa: E402
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes `device` runs on the CPU and, where one is available, on the GPU too (no skipped copies on
+    a CPU-only machine; benchmarks/gpu_check.sh runs these on CUDA)."""
+    if "device" in metafunc.fixturenames:
+        import torch
+
+        metafunc.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Directory of a freshly built tiny Qwen3 model + char-level tokenizer (seed 0)."""

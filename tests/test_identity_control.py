@@ -44,12 +44,13 @@ def train_log(tiny, tmp_path, objective: str, kwargs: dict) -> list[dict]:
     from datasets import Dataset
 
     from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = tiny
     args = TrustClipGRPOConfig(
         output_dir=str(tmp_path / objective), max_steps=STEPS, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=8, learning_rate=2e-2, num_iterations=2, objective=objective, objective_kwargs=kwargs,
-        use_cpu=True, bf16=False, activation_checkpointing=False, gradient_checkpointing=None, report_to="none",
+        use_cpu=True, bf16=False, **checkpointing_off(), report_to="none",
         logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0)
     trainer = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=args,
                                    train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS * 4]),

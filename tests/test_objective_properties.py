@@ -57,8 +57,8 @@ def run(objective, logp, old, adv, mask, entropy, full_kl, aggregation="dr_grpo"
 @pytest.mark.parametrize("name", NAMES)
 @PROPERTY_SETTINGS
 @given(data=batches(), aggregation=st.sampled_from(AGGREGATIONS))
-def test_finite_loss_gradient_and_metrics_and_zero_gradient_on_padding(name, data, aggregation):
-    logp, old, adv, mask, entropy, full_kl = data
+def test_finite_loss_gradient_and_metrics_and_zero_gradient_on_padding(name, data, aggregation, device):
+    logp, old, adv, mask, entropy, full_kl = (t.to(device) for t in data)
     loss, grad, metrics = run(build(name), logp, old, adv, mask, entropy, full_kl, aggregation)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(np.isfinite(v) for v in metrics.values()), metrics

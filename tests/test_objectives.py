@@ -58,8 +58,8 @@ CASES = [(name, {}) for name in REFERENCED] + [(n, s) for n, ss in SETTINGS.item
 
 @pytest.mark.parametrize("name,settings", CASES, ids=[f"{n}-{s}" for n, s in CASES])
 @pytest.mark.parametrize("seed", range(4))
-def test_value_and_gradient_match_float64_reference(name, settings, seed):
-    logp, old, adv, mask, entropy, full_kl = random_inputs(seed)
+def test_value_and_gradient_match_float64_reference(name, settings, seed, device):
+    logp, old, adv, mask, entropy, full_kl = (t.to(device) for t in random_inputs(seed))
     objective = get_objective(name, **settings)
     logp.requires_grad_(True)
     max_len = logp.shape[1]
@@ -67,7 +67,7 @@ def test_value_and_gradient_match_float64_reference(name, settings, seed):
                                      max_len=max_len, entropy=entropy, full_kl=full_kl)
     loss.backward()
 
-    n = lambda t: t.detach().numpy()  # noqa: E731
+    n = lambda t: t.detach().cpu().numpy()  # noqa: E731
     a = np.broadcast_to(n(adv)[:, None], n(logp).shape)
     value, phi, extra = reference(name, dict(objective.hparams), n(logp), n(old), a, n(mask), n(entropy), n(full_kl))
     m, norm = n(mask), logp.shape[0] * max_len

@@ -158,6 +158,7 @@ def test_two_lora_rl_steps_on_the_real_model(smollm2_path, tmp_path, objective, 
     from trustclip.data import format_prompt
     from trustclip.models import load_model_and_tokenizer
     from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(SMOLLM2_MODEL_NAME)
     prompts = [format_prompt(f"Compute {a}+{b}.", tokenizer, style="math") for a, b in [(3, 4), (12, 7)]]
@@ -165,7 +166,7 @@ def test_two_lora_rl_steps_on_the_real_model(smollm2_path, tmp_path, objective, 
         output_dir=str(tmp_path), objective=objective, objective_kwargs=kwargs, max_steps=2, num_iterations=2,
         per_device_train_batch_size=4, num_generations=2, max_completion_length=12, temperature=1.0,
         learning_rate=1e-3, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=0,
-        disable_tqdm=True, activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
+        disable_tqdm=True, **checkpointing_off(), dataloader_num_workers=0,
     )
     trainer = TrustClipGRPOTrainer(model, reward_funcs=digit_fraction, args=args,
                                    train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),

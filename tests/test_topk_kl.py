@@ -104,13 +104,14 @@ def make_truly_trainer(tiny_model_path, tmp_path, storage):
 
     from trustclip.models import load_model_and_tokenizer
     from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     args = TrustClipGRPOConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=2,
         max_completion_length=6, num_iterations=2, objective="truly_ppo", temperature=0.7, use_cpu=True, bf16=False,
         report_to="none", save_strategy="no", full_kl_storage=storage, full_kl_topk=8,
-        activation_checkpointing=False, gradient_checkpointing=None,
+        **checkpointing_off(),
     )
     dataset = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 4)
     return TrustClipGRPOTrainer(model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,

@@ -253,6 +253,7 @@ from datasets import Dataset
 from trustclip import compute_policy_loss, get_objective
 from trustclip.models import load_model_and_tokenizer
 from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+from trustclip.trainers.compat import checkpointing_off
 from trustclip.train.config import load_config
 from trustclip.train.pipeline import run_pipeline
 
@@ -267,7 +268,7 @@ for aggregation, skip in [(a, False) for a in ("dr_grpo", "token_mean", "seq_mea
     args = TrustClipGRPOConfig(output_dir=out + "/grad", per_device_train_batch_size=4, num_generations=4,
                                max_completion_length=6, use_cpu=True, report_to="none", num_iterations=2,
                                objective="kl3", objective_kwargs={"delta": 0.02}, aggregation=aggregation,
-                               activation_checkpointing=False, gradient_checkpointing=None, skip_zero_advantage=skip)
+                               **checkpointing_off(), skip_zero_advantage=skip)
     trainer = TrustClipGRPOTrainer(model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
                                    processing_class=tok, train_dataset=Dataset.from_list([{"prompt": "a"}] * 8))
     g = torch.Generator().manual_seed(0)  # the same global batch of 8 on both ranks

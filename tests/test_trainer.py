@@ -14,6 +14,7 @@ pytest.importorskip("trl")
 
 from trustclip import compute_policy_loss, get_objective, list_objectives, ratio_bounds  # noqa: E402
 from trustclip.objectives.constraints import custom_divergence  # noqa: E402
+from trustclip.trainers.compat import checkpointing_off  # noqa: E402
 
 PROMPTS = [f"Compute {a}+{b}. Answer in \\boxed{{}}.\n" for a, b in [(3, 4), (12, 7), (5, 9), (21, 30)]]
 
@@ -36,7 +37,7 @@ def make_config(tmp_path, **overrides):
     kwargs = dict(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
         max_completion_length=8, learning_rate=5e-3, num_iterations=2, use_cpu=True, bf16=False,
-        activation_checkpointing=False, gradient_checkpointing=None, report_to="none", logging_steps=1,
+        **checkpointing_off(), report_to="none", logging_steps=1,
         save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )
     return TrustClipGRPOConfig(**(kwargs | overrides))
@@ -188,7 +189,7 @@ def _trl_trainer(tiny, tmp_path, **config):
     model, tokenizer = tiny
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=4,
                       max_completion_length=6, use_cpu=True, bf16=False, report_to="none",
-                      activation_checkpointing=False, gradient_checkpointing=None, **config)
+                      **checkpointing_off(), **config)
     return GRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=args, processing_class=tokenizer,
                        train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]))
 
@@ -297,7 +298,7 @@ def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny,
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
                   max_completion_length=6, num_iterations=2, use_cpu=True, bf16=False, report_to="none",
-                  activation_checkpointing=False, gradient_checkpointing=None, save_strategy="no", disable_tqdm=True,
+                  **checkpointing_off(), save_strategy="no", disable_tqdm=True,
                   logging_steps=1)
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
     trainer = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),

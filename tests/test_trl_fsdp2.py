@@ -102,6 +102,7 @@ def run_variant(variant: str, fsdp2: bool, rollout: dict, model_path: str, out: 
 
     from trustclip.models import load_model_and_tokenizer
     from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.trainers.compat import checkpointing_off
 
     fixed, shimmed = trainer_classes()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -112,7 +113,7 @@ def run_variant(variant: str, fsdp2: bool, rollout: dict, model_path: str, out: 
         output_dir=str(out / variant), per_device_train_batch_size=BATCH // world, num_generations=GROUP,
         max_completion_length=RESPONSE, num_iterations=2, objective="kl3", objective_kwargs={"delta": 0.07},
         use_cpu=True, report_to="none", save_strategy="no", max_steps=1, logging_steps=1, seed=0,
-        activation_checkpointing=False, gradient_checkpointing=None,
+        **checkpointing_off(),
         # plain SGD: the step is -LR times the (clipped) gradient, so equal steps mean equal gradients
         optim="sgd", learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", **fsdp)
     trainer = (shimmed if fsdp2 else fixed)(

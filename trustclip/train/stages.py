@@ -29,6 +29,7 @@ from trustclip.rewards import CorrectnessReward
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_rows
+from trustclip.trainers.compat import checkpointing_off
 from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
 Printer = Callable[[str], None]
@@ -124,7 +125,7 @@ def _trainer_args(config: TrainConfig, folder: Path, section: Any, trl_config: t
     return dict(
         {k: v for k, v in dataclasses.asdict(section).items() if k in same_name},
         output_dir=str(folder), seed=config.seed, report_to=config.report_to or "none", disable_tqdm=True,
-        save_strategy="steps", activation_checkpointing=False, gradient_checkpointing=None, dataloader_num_workers=0,
+        save_strategy="steps", **checkpointing_off(), dataloader_num_workers=0,
         bf16=resolve_bf16(config.bf16), use_cpu=not torch.cuda.is_available(),
     )
 
