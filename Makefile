@@ -14,7 +14,7 @@ UV_VERSION := 0.13.9
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test test-min lint lock clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
+.PHONY: run test test-min lint lock gpu-wheels clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
 
 # $(call locked_venv,VENV,LOCK): a virtual environment with exactly the versions of LOCK, then trustclip (editable).
 define locked_venv
@@ -70,6 +70,16 @@ test-min: $(MIN_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The wheels benchmarks/gpu_check.sh needs on a GPU image that has torch, transformers, peft and accelerate but not
+# TRL, datasets, pydantic or math-verify (Python 3.12): the versions of the lower-bound lock, which that image matches.
+GPU_WHEELS := trl datasets dill multiprocess pydantic pydantic-core annotated-types math-verify latex2sympy2-extended \
+	antlr4-python3-runtime
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $(foreach n,$(GPU_WHEELS),$(shell grep -i "^$(n)==" requirements/lock-min.txt))
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(MIN_VENV)

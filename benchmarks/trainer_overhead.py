@@ -6,9 +6,11 @@ runs generate the same completions and differ only in the loss code. Each run is
 is per process); runs are interleaved A B B A ... so that drifting machine load hits both alike.
 
     python benchmarks/trainer_overhead.py [--steps 40] [--rounds 3] [--objective kl3 --aggregation dr_grpo]
+                                          [--device cuda]
 
 Prints median step time (TRL's `step_time`: generation + loss + backward + optimizer), the time of the loss
-forward + backward alone, and peak RSS; then the ratios ours / TRL. Targets: time <= 1.02, memory <= 1.00.
+forward + backward alone, and peak memory (RSS on the CPU; on a GPU, torch's peak allocated GPU memory); then the
+ratios ours / TRL. Targets: time <= 1.02, memory <= 1.00.
 Separate processes are noisy on a shared machine (per-round ratios spread by +-10%), so it also times both
 trainers alternated call by call in one process: the loss forward + backward and the generation side.
 """
@@ -48,7 +50,7 @@ def build_trainer(kind: str, model, tokenizer, dataset, reward, objective: str, 
                                 processing_class=tokenizer)
 
 
-def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int) -> dict:
+def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int, device: str) -> dict:
     import resource
 
     import torch
@@ -65,7 +67,7 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     common = dict(output_dir=f"/tmp/trustclip-bench-{kind}", max_steps=steps, per_device_train_batch_size=32,
                   num_generations=8, max_completion_length=32, learning_rate=1e-4, num_iterations=2, seed=0,
-                  use_cpu=True, bf16=False, **checkpointing_off(),
+                  use_cpu=device == "cpu", bf16=False, **checkpointing_off(),
                   report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, temperature=1.0)
 
     trainer = build_trainer(kind, model, tokenizer, dataset, digit_fraction, objective, aggregation, **common)
@@ -86,13 +88,15 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device == "cuda":  # the GPU's own peak; RSS is the host's
+        peak, rss_before = torch.cuda.max_memory_allocated() / 1024, 0
     step_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     warm = max(2, steps // 5)  # drop warm-up steps
     return {"step_s": statistics.median(step_times[warm:]), "loss_s": statistics.median(loss_times[2 * warm:]),
             "peak_rss_mb": peak / 1024, "rss_before_mb": rss_before / 1024}
 
 
-def alternated_microbenchmark(objective: str, aggregation: str, threads: int, repeats: int = 60) -> dict:
+def alternated_microbenchmark(objective: str, aggregation: str, threads: int, device: str, repeats: int = 60) -> dict:
     """Both trainers alternated call by call in one process, so machine-load drift cancels: the loss forward +
     backward on one fixed batch (B=32, T=32, ratios != 1), and the generation side (sampling, rewards,
     advantages, old log-probs) on the same prompts with the same sampling seed."""
@@ -108,7 +112,7 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, re
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     common = dict(output_dir="/tmp/trustclip-bench-micro", per_device_train_batch_size=32, num_generations=8,
-                  max_completion_length=32, num_iterations=2, use_cpu=True, bf16=False,
+                  max_completion_length=32, num_iterations=2, use_cpu=device == "cpu", bf16=False,
                   **checkpointing_off(), report_to="none")
     data = Dataset.from_list([{"prompt": "Compute 1+2.\n"}] * 8)
 
@@ -123,9 +127,10 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, re
              "num_items_in_batch": mask.sum()}
     with torch.no_grad():
         old, _, _ = trl._get_per_token_logps_and_entropies(
-            trl.model, torch.cat([batch["prompt_ids"], completion_ids], 1),
-            torch.cat([batch["prompt_mask"], mask], 1), 32)
-    batch["old_per_token_logps"] = (old + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=0.0)
+            trl.model, torch.cat([batch["prompt_ids"], completion_ids], 1).to(trl.accelerator.device),
+            torch.cat([batch["prompt_mask"], mask], 1).to(trl.accelerator.device), 32)
+    batch["old_per_token_logps"] = (old.cpu() + 0.2 * torch.randn(old.shape, generator=g)).clamp(max=0.0)
+    batch = {k: v.to(trl.accelerator.device) for k, v in batch.items()}
     for trainer in (trl, ours):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
@@ -152,11 +157,14 @@ def alternate(trl, ours, call, repeats: int, warmup: int) -> dict[str, float]:
     import torch
 
     times: dict[str, list[float]] = {"trl": [], "trustclip": []}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # GPU calls return early
     for i in range(repeats + warmup):
         for name, trainer in (("trl", trl), ("trustclip", ours)) if i % 2 else (("trustclip", ours), ("trl", trl)):
             torch.manual_seed(i)
+            sync()
             start = time.perf_counter()
             call(trainer)
+            sync()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     paired = [a / b for a, b in zip(times["trustclip"], times["trl"], strict=True)]
@@ -166,7 +174,7 @@ def alternate(trl, ours, call, repeats: int, warmup: int) -> dict[str, float]:
 
 def run_worker(kind: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, HERE, "--worker", kind, "--steps", str(args.steps), "--objective", args.objective,
-           "--aggregation", args.aggregation, "--threads", str(args.threads)]
+           "--aggregation", args.aggregation, "--threads", str(args.threads), "--device", args.device]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -181,13 +189,19 @@ def main() -> None:
     parser.add_argument("--objective", default="clip_higher")
     parser.add_argument("--aggregation", default="token_mean")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--worker", choices=["trl", "trustclip", "micro"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda" and not args.worker:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU is visible to torch")
     if args.worker == "micro":
-        print(json.dumps(alternated_microbenchmark(args.objective, args.aggregation, args.threads)))
+        print(json.dumps(alternated_microbenchmark(args.objective, args.aggregation, args.threads, args.device)))
         return
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.objective, args.aggregation, args.threads)))
+        print(json.dumps(worker(args.worker, args.steps, args.objective, args.aggregation, args.threads, args.device)))
         return
     load = os.getloadavg()[0]
     results: dict[str, list[dict]] = {"trl": [], "trustclip": []}
@@ -200,7 +214,8 @@ def main() -> None:
     ours = f"trustclip {args.objective}/{args.aggregation}"
     print(f"\ntiny Qwen3, {args.steps} steps x {args.rounds} rounds interleaved, {args.threads} threads, "
           f"load average at start {load:.2f} (end {os.getloadavg()[0]:.2f})")
-    print(f"{'':<36}{'step time (ms)':>16}{'loss fwd+bwd (ms)':>19}{'peak RSS (MB)':>15}")
+    memory = "peak GPU (MB)" if args.device == "cuda" else "peak RSS (MB)"
+    print(f"{'':<36}{'step time (ms)':>16}{'loss fwd+bwd (ms)':>19}{memory:>15}")
     for name, m in (("TRL GRPOTrainer loss_type=dapo", med["trl"]), (ours, med["trustclip"])):
         print(f"{name:<36}{1000 * m['step_s']:>16.1f}{1000 * m['loss_s']:>19.1f}{m['peak_rss_mb']:>15.1f}")
     t, o = med["trl"], med["trustclip"]
