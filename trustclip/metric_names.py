@@ -30,6 +30,9 @@ KL_REF = "kl"  # k3 KL to the reference model, only when beta != 0
 REWARD_TIMEOUTS = "reward/timeouts"  # cumulative math-verify timeouts (trustclip.rewards counters)
 REWARD_ERRORS = "reward/errors"
 KEPT_FRACTION = "update/kept_frac"  # completions left in the policy update by skip_zero_advantage
+# |log pi_sampler - log pi_old| per completion token when vLLM samples (its own copy of the weights, its own kernels)
+SAMPLER_GAP_MEAN = "sampler/logp_gap_mean"
+SAMPLER_GAP_MAX = "sampler/logp_gap_max"
 CLIP_LOW = PREFIX + "clip_frac_low"
 CLIP_HIGH = PREFIX + "clip_frac_high"
 CLIP_ANY = PREFIX + "clip_frac"

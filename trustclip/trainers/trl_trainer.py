@@ -14,6 +14,7 @@ clipping objective is the plain policy gradient, and the trainer warns loudly at
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -36,6 +37,7 @@ from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sa
 from trustclip.trainers.step_counts import StepCounts
 from trustclip.trainers.trl_config import TrustClipGRPOConfig, check_delta_control, generation_period, on_policy_warning
 from trustclip.trainers.trl_surface import check_trl_surface
+from trustclip.trainers.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,14 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
         self._score_later = False  # its slices' old log-probs are due when TRL buffers them (`_score_old_logps`)
-        super().__init__(model, reward_funcs, args, **kwargs)
+        on_cpu = needs_cpu_engine(args)  # vLLM's CPU build: its own set-up and weight sync (vllm_engine.py)
+        if on_cpu:
+            prepare_cpu_engine()
+        eager = args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enforce_eager
+        with engine_options(enforce_eager=True) if eager else contextlib.nullcontext():
+            super().__init__(model, reward_funcs, args, **kwargs)
+        if on_cpu:
+            use_in_place_sync(self)
         check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             float32_lm_head(self)  # the log-probs, and so the ratio, in float32
@@ -219,6 +228,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         policy_loss = loss.detach() * self.accelerator.num_processes * self._accumulation(mode)
         values, tokens = self._log_objective_metrics(mode, out, batch, mask.to(logps.dtype), entropies, per_token_kl,
                                                      policy_loss)
+        if "sampling_per_token_logps" in inputs:
+            self._log_sampler_gap(mode, inputs, logps, mask)
         if self._delta_callback is not None and mode == "train":
             for key, value in self._delta_callback.record(values, tokens, self._step).items():
                 self._metrics[mode][key].append(value)
@@ -345,6 +356,19 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             for name in [key] if trl_level else names.logged_names(key):
                 self._metrics[mode][name].append(value)
         return values, tokens
+
+    def _log_sampler_gap(self, mode: str, inputs: dict[str, Any], logps: torch.Tensor, mask: torch.Tensor) -> None:
+        """Mean and max over every process of |log pi_sampler - log pi_old| per completion token (vLLM's log-probs of
+        the tokens it sampled, temperature applied, against the trainer's). pi_old is the current policy on a slice
+        that is used before the next update (the loss takes it as pi_old there), TRL's old log-probs otherwise."""
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None or bool(old.isnan().all()) else old
+        gap = (old.detach().float() - inputs["sampling_per_token_logps"].float()).abs()
+        valid = mask.bool() & ~gap.isnan()  # tokens vLLM could not score are NaN
+        gap = torch.where(valid, gap, torch.zeros_like(gap))
+        total, count = self._sum_over_processes(torch.stack([gap.sum(), valid.sum().to(gap.dtype)])).tolist()
+        self._metrics[mode][names.SAMPLER_GAP_MEAN].append(total / max(count, 1.0))
+        self._metrics[mode][names.SAMPLER_GAP_MAX].append(self.accelerator.gather(gap.max()[None]).max().item())
 
     # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
     def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
