@@ -132,6 +132,8 @@ LIBRARY: Any = ...
 SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
               "weight_decay": LIBRARY, "per_device_train_batch_size": 64, "gradient_accumulation_steps": LIBRARY,
               "max_length": 256}
+# The sampler: HF generate unless use_vllm; vLLM in the training process (colocate: one machine, CPU or GPU), not
+# TRL's default of a separate server.
 # RL: 64 prompts x G = 4 = 256 completions per micro-batch, large because a binary reward carries one bit per
 # completion; the peak rate decays on a cosine to 0 at max_steps. An unfinished answer scores 0 (truncated_reward), so
 # the policy keeps stopping after its answer, and zero-advantage groups are left out of the update (same direction,
@@ -144,7 +146,8 @@ RL_RECIPE = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosi
              "steps_per_generation": LIBRARY, "temperature": 0.7, "top_p": LIBRARY, "top_k": LIBRARY,
              "max_completion_length": 32, "beta": LIBRARY, "mask_truncated_completions": LIBRARY,
              "truncated_reward": 0.0, "skip_zero_advantage": True, "save_steps": 50, "save_total_limit": 2,
-             "logging_steps": 1}
+             "logging_steps": 1, "use_vllm": LIBRARY, "vllm_mode": "colocate", "vllm_enforce_eager": LIBRARY,
+             "vllm_importance_sampling_correction": LIBRARY}
 # What trustclip train requires of a library field beyond the library's own rules (the sections' __post_init__
 # checks), or how it reads it: `--help` says so after the library's help.
 RL_RULES = {"per_device_train_batch_size": "counts completions (prompts x num_generations)",

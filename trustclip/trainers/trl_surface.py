@@ -2,7 +2,8 @@
 (`GRPOConfig`, the constructor, `train()`, `compute_loss`): private methods and trainer state that TRL may rename or
 remove in any release, each with what it is for. The trainer checks them at start-up (`check_trl_surface`);
 tests/test_trl_surface.py checks that each exists in the installed TRL and that every one trl_trainer.py touches is
-listed.
+listed. The TRL and vLLM names of the weight sync on a CPU (vllm_engine.py) are listed too (VLLM_*), checked when
+vLLM is colocated on a CPU, and by tests/test_vllm.py where vLLM is installed.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclas
 # Module-level helpers imported from TRL's internals: module -> names.
 FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
              "trl.trainer.utils": ("add_fused_lm_head",)}  # mixed_precision.py: float32 log-probs
+# vLLM colocated on a CPU (vllm_engine.py): "module:Class.method" of TRL and vLLM -> the parameters passed to it.
+VLLM_METHODS: dict[str, tuple[str, ...]] = {
+    "trl.generation.vllm_generation:VLLMGeneration.sync_weights": (),  # replaced on a CPU
+    "trl.generation.vllm_generation:VLLMGeneration._iter_named_params": (),  # the weights, LoRA merged, vLLM's names
+    "vllm:LLM.reset_prefix_cache": (),  # stale KV entries after a sync
+    "vllm.v1.worker.gpu_worker:Worker.reload_weights": (),  # forwards to the model runner's
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights": ("weights_iterator",),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.get_model": (),
+    "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.tie_weights": ("embed_tokens",),
+    "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.process_weights_after_loading":
+        ("layer",),  # re-packs the tied head's weight for the CPU GEMM
+}
+# Module attributes: TRL's `LLM`, wrapped with enforce_eager while TRL builds its engine (vllm_engine.engine_options).
+VLLM_MODULE_ATTRIBUTES = {"trl.generation.vllm_generation": ("LLM",)}
+# The path from the trainer to the vLLM worker, attribute by attribute (instances, after TRL built the engine).
+VLLM_INSTANCE_PATH = ("vllm_generation", "llm", "llm_engine", "model_executor", "driver_worker", "model_runner")
 
 
 def missing_names(trainer: Any = None) -> list[str]:
@@ -99,9 +116,35 @@ def missing_names(trainer: Any = None) -> list[str]:
     return missing
 
 
-def check_trl_surface(trainer: Any) -> None:
-    """Raise RuntimeError naming every TRL name the subclass relies on that the installed TRL lacks."""
-    missing = missing_names(trainer=trainer)
+def missing_vllm_names(trainer: Any = None) -> list[str]:
+    """Every listed TRL / vLLM name the CPU weight sync relies on that the installed versions lack ([] when all are
+    there); with `trainer` (built with vLLM colocated), also its path to the vLLM worker."""
+    missing = []
+    for target, params in VLLM_METHODS.items():
+        module, qualname = target.split(":")
+        owner_name, method = qualname.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), owner_name, None)
+        if not callable(getattr(owner, method, None)):
+            missing.append(f"method {module}.{qualname}")
+            continue
+        have = inspect.signature(getattr(owner, method)).parameters
+        missing += [f"parameter {p!r} of {module}.{qualname}" for p in params if p not in have]
+    for module, names in VLLM_MODULE_ATTRIBUTES.items():
+        loaded = importlib.import_module(module)
+        missing += [f"attribute {module}.{name}" for name in names if not hasattr(loaded, name)]
+    node, path = trainer, "trainer"
+    for name in VLLM_INSTANCE_PATH if trainer is not None else ():
+        if not hasattr(node, name):
+            missing.append(f"attribute {path}.{name}")
+            break
+        node, path = getattr(node, name), f"{path}.{name}"
+    return missing
+
+
+def check_trl_surface(trainer: Any, vllm_on_cpu: bool = False) -> None:
+    """Raise RuntimeError naming every TRL name the subclass relies on that the installed TRL lacks (and, with
+    `vllm_on_cpu`, every TRL / vLLM name of the CPU weight sync)."""
+    missing = missing_names(trainer=trainer) + (missing_vllm_names(trainer) if vllm_on_cpu else [])
     if missing:
         raise RuntimeError(f"TRL {trl.__version__} lacks what TrustClipGRPOTrainer relies on: {'; '.join(missing)}. "
                            "trustclip supports trl==1.16.* (see trustclip/trainers/trl_surface.py)")

@@ -82,9 +82,9 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         eager = args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enforce_eager
         with engine_options(enforce_eager=True) if eager else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
+        check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (trl_surface.py)
         if on_cpu:
             use_in_place_sync(self)
-        check_trl_surface(self)  # every private TRL name used below still exists (trl_surface.py lists them)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             float32_lm_head(self)  # the log-probs, and so the ratio, in float32
         self._sampler = low_precision_sampler(self)  # generation_dtype's copy of the policy, or None
