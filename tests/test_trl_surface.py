@@ -165,3 +165,28 @@ def test_reference_kl_matches_trl(tiny, tmp_path, bias_correction):
     loss = assert_same_loss_and_grads(ours, theirs, inputs)
     other = make_trainer(tiny, tmp_path / "other", **CLIP_DR_GRPO, beta=0.1, use_bias_correction_kl=not bias_correction)
     assert not torch.allclose(loss, _loss_and_grads(other, inputs)[0])  # the correction changes the loss here
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_vllm_importance_sampling_weights_match_trl(tiny, tmp_path, mode):
+    """TRL's correction of the sampler's log-probs (truncated IS, TIS, or masked, per token or per sequence)
+    multiplies our per-token loss as it multiplies TRL's: same loss and gradients on a batch whose weights TRL's
+    formula made from perturbed sampler log-probs. (use_vllm is switched on after construction: no engine.)"""
+    ours = make_trainer(tiny, tmp_path / "ours", **CLIP_DR_GRPO)
+    theirs = _trl_trainer(tiny, tmp_path, loss_type="dr_grpo", epsilon=0.2)
+    inputs = _with_old_logps(theirs, _batch(tiny[1]))
+    g = torch.Generator().manual_seed(3)
+    sampler = inputs["old_per_token_logps"] + 0.3 * torch.randn(inputs["old_per_token_logps"].shape, generator=g)
+    diff = (inputs["old_per_token_logps"] - sampler) * inputs["completion_mask"]
+    ratio = (diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff).exp()
+    low, high = 0.5, 2.0
+    ratio = ratio.clamp(max=high) if mode.endswith("truncate") else ratio.masked_fill((ratio < low) | (ratio > high), 0)
+    assert mode.endswith("truncate") or bool((ratio == 0).any())  # the mask drops some tokens on this batch
+    inputs = {**inputs, "sampling_per_token_logps": sampler, "importance_sampling_ratio": ratio}
+    for trainer in (ours, theirs):
+        trainer.args.use_vllm = True
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    loss = assert_same_loss_and_grads(ours, theirs, inputs)
+    plain = {k: v for k, v in inputs.items() if k not in ("sampling_per_token_logps", "importance_sampling_ratio")}
+    ours.args.use_vllm = False
+    assert not torch.allclose(loss, _loss_and_grads(ours, plain)[0])  # the weights act on this batch
