@@ -14,7 +14,7 @@ UV_VERSION := 0.13.9
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test test-min lint lock gpu-wheels clean table2 table3 figure3 beyond experiments smollm2 smollm2-compare smollm2-figure3
+.PHONY: run test test-min lint lock gpu-wheels clean table2 table3 figure3 beyond rivals experiments smollm2 smollm2-compare smollm2-figure3
 
 # $(call locked_venv,VENV,LOCK): a virtual environment with exactly the versions of LOCK, then trustclip (editable).
 define locked_venv
@@ -112,6 +112,12 @@ figure3: $(STAMP)
 beyond: $(STAMP)
 	$(COMPARE) --output-dir $(POOL)/beyond --reference atr \
 	  --objectives atr,clip,atr_adaptive,atr_seq
+
+# The divergence-based rivals of 2026 (docs/rivals.md): DPPO (binary TV / KL), CFPO and M2PO at their papers' defaults,
+# against atr, clip and the unconstrained control; same pool, so the atr / clip / control runs of table2 are reused.
+rivals: $(STAMP)
+	$(COMPARE) --output-dir $(POOL)/rivals --reference atr \
+	  --objectives atr,clip,dppo_tv,dppo_kl,cfpo,m2po,unconstrained
 
 experiments: table2 table3 figure3 beyond
 

@@ -74,6 +74,43 @@ def trgppo_interval(q, delta, eps):
     return low, high
 
 
+def binary_divergence(kind, q, p):
+    """DPPO's Binary approximation (arXiv 2602.04879): the old and new two-point distributions (q, 1 - q), (p, 1 - p)
+    of the sampled token; 'tv' |p - q|, 'kl' KL(old || new), written out directly (numpy, float64)."""
+    if kind == "tv":
+        return np.abs(p - q)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rest = np.where(q < 1, (1 - q) * np.log((1 - q) / (1 - p)), 0.0)
+    return q * np.log(q / p) + rest
+
+
+def dppo(kind, w, a, q, p, hp):
+    """clip_general with C = D(q, p) <= delta (delta_low where p < q, delta_high where p > q), value in the general
+    form min(w A, (w if C else 1) A); with tis_cap c the kept tokens' weight is min(w, c)."""
+    d = binary_divergence(kind, q, p)
+    feasible = np.where(p > q, d <= hp["delta_high"], d <= hp["delta_low"])
+    value, phi = constraint_clip(w, a, feasible, None, None)
+    if hp["tis_cap"] is not None:
+        phi = np.minimum(phi, hp["tis_cap"])
+    return value, phi
+
+
+def second_moment_masked(x, mask, threshold):
+    """M2PO's mask, by a plain loop: drop the largest (log w)^2 one at a time until the mean of the rest is below
+    threshold (all but the smallest when it never is)."""
+    flat = np.flatnonzero(mask > 0)
+    m2 = x.ravel()[flat] ** 2
+    order = np.argsort(-m2, kind="stable")
+    count = len(order) - 1
+    for k in range(len(order)):
+        if m2[order[k:]].mean() < threshold:
+            count = k
+            break
+    masked = np.zeros(x.size, bool)
+    masked[flat[order[:count]]] = True
+    return masked.reshape(x.shape)
+
+
 def reference(name, hp, logp, old_logp, adv, mask, entropy=None, full_kl=None):
     """Return (J, phi, extra_grad) for objective `name` with hyper-parameters `hp`."""
     x = logp - old_logp
@@ -142,6 +179,14 @@ def reference(name, hp, logp, old_logp, adv, mask, entropy=None, full_kl=None):
         selected = selected.reshape(w.shape)
         value, phi = w * a - hp["ppo_kl_coef"] * np.abs(x) * selected, w
         extra = -hp["ppo_kl_coef"] * np.sign(x) * selected
+    elif name in ("dppo_tv", "dppo_kl"):
+        value, phi = dppo(name[-2:], w, a, q, np.exp(logp), hp)
+    elif name == "cfpo":  # J = w A - |A| (w - 1)^2 / (2 eps); dJ/dlogp = w A - |A| w (w - 1) / eps
+        eps = hp["epsilon"]
+        value, phi = w * a - np.abs(a) * (w - 1) ** 2 / (2 * eps), w * (1 - np.sign(a) * (w - 1) / eps)
+    elif name == "m2po":
+        masked = second_moment_masked(x, mask, hp["m2_threshold"])
+        value, phi = np.where(masked, 0.0, w * a), np.where(masked, 0.0, w)
     else:
         raise KeyError(name)
     return value, phi, extra

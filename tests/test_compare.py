@@ -968,6 +968,37 @@ def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, 
     assert table.splitlines()[2].startswith("| clip | n/a | 22.5 ± 3.5 | n/a | 0.550 ± 0.071 |")  # no before stats
 
 
+def test_dynamics_table_shows_what_acts_in_cfpo_and_m2po_only_where_logged(fake_env, monkeypatch):
+    """cfpo never clips (clip_frac 0) and m2po masks whatever the sign of A: their own statistics, under the names the
+    objectives give them, get a column (n/a for the runs that did not log them); reports without them are unchanged."""
+    import torch
+
+    from trustclip.compare.report import dynamics_table
+    from trustclip.compare.results import SERIES, group_runs, load_run
+    from trustclip.objectives import compute_token_loss
+
+    ones = torch.ones(1, 2, dtype=torch.float64)
+    logged = {name: f"objective/{stat}" for name, stat in (("cfpo", "pushback_frac"), ("m2po", "m2_masked_frac"))}
+    for name, key in logged.items():  # the keys the report reads are the statistics the objectives return
+        out, _ = compute_token_loss(name, logp=-ones, old_logp=-2 * ones, advantages=torch.ones(1), mask=ones)
+        assert key.removeprefix("objective/") in out.stats and key in SERIES
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
+    runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
+    plain = dynamics_table(group_runs([load_run(spec) for spec in runs]))
+    assert "cfpo" not in plain and "m2po" not in plain
+    for spec in runs:
+        if spec.objective == "kl3":  # atr's runs stand in for runs that log cfpo's pull-back fraction
+            path = spec.run_dir / "metrics.jsonl"
+            rows = [row | {logged["cfpo"]: 0.01 * row["step"] * (1 + spec.seed)} for row in read_jsonl(path)]
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    table = md_table("## T\n" + dynamics_table(group_runs([load_run(spec) for spec in runs])), "## T")
+    column = table[0].index("penalty pull-back fraction (cfpo) (mean over RL)")
+    means = [0.055 * (1 + seed) for seed in (0, 1)]  # mean over steps 1-10 of 0.01 step (1 + seed)
+    assert table[1][0] == "clip" and table[1][column] == "n/a"
+    assert table[2][column] == f"{np.mean(means):.4f} ± {np.std(means, ddof=1):.4f}"
+    assert not any("m2po" in head for head in table[0])
+
+
 def test_findings_give_how_rl_moved_held_out_entropy_and_length(fake_env, monkeypatch):
     """Where evaluations recorded completion stats, the Findings pair each run's final held-out entropy and length
     with its own RL start; without them, no such sentence."""
@@ -1058,3 +1089,34 @@ def test_a_failed_resume_fails_once_and_says_how_to_restart(fake_env, monkeypatc
     assert [r["resumed"] for r in events(fake_env, n) if r["event"] == "start"] == [False]
     calls = (fake_env / "runs" / "clip" / "seed0" / "calls.txt").read_text().splitlines()
     assert len(calls) == 1 and calls[0].startswith("resume=False")  # the failed attempts' files were removed
+
+
+# ------------------------------------------------------------------------- the Makefile's experiments
+REPO = Path(__file__).resolve().parents[1]
+
+
+def makefile_compare(target: str) -> tuple[str, str, Path]:
+    """(--objectives, --reference, the testbed recipe) of a `make` experiment target, as the Makefile writes them."""
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    recipe = re.search(rf"^{target}:.*\n\t(.*)$", text, re.M).group(1)
+    return (re.search(r"--objectives (\S+)", recipe).group(1).strip('"'),
+            re.search(r"--reference (\S+)", recipe).group(1),
+            REPO / re.search(r"^TESTBED := (\S+)", text, re.M).group(1))
+
+
+def test_make_rivals_plans_every_rival_and_reuses_table2s_runs(tmp_path):
+    """`make rivals`: atr, clip, the four rivals and the control on the testbed, paired against atr, each run
+    accepted by `trustclip train`'s checks; atr, clip and the control are the same runs (same folders in the shared
+    pool) as `make table2`'s, so they are made once."""
+    from trustclip.compare.runner import check_runs
+
+    objectives, reference, testbed = makefile_compare("rivals")
+    base = base_config(str(testbed), [])
+    rivals = [s for s in plan_runs(objectives, [0], tmp_path, base=base) if s.kind == "rl"]
+    assert {s.objective for s in rivals} == {"kl3", "clip", "dppo_tv", "dppo_kl", "cfpo", "m2po", "unconstrained"}
+    assert resolve_reference(reference, [(s.group, s.label, s.objective) for s in rivals]) == "atr"
+    check_runs(rivals)
+    table2 = {s.objective: s.run_dir for s in plan_runs(makefile_compare("table2")[0], [0], tmp_path, base=base)
+              if s.kind == "rl"}
+    shared = {s.objective for s in rivals if table2.get(s.objective) == s.run_dir}
+    assert shared == {"kl3", "clip", "unconstrained"}

@@ -65,6 +65,10 @@ def test_nan_on_padding_is_ignored_but_nan_on_a_token_is_not():
     ("is_kl3", {"delta": 1.5}, "is_kl3 needs delta < 1"),
     ("general", {}, "constraint=None is invalid; it must be a trustclip Constraint"),
     ("atr_seq", {"delta": 0}, r"atr_seq: delta=0 is invalid; it must be > 0"),
+    ("dppo_tv", {"delta_low": 0}, r"dppo_tv: delta_low=0 is invalid; it must be > 0.0"),
+    ("dppo_kl", {"tis_cap": 0.5}, r"dppo_kl: tis_cap=0.5 is invalid; it must be >= 1.0 \(or None\)"),
+    ("cfpo", {"epsilon": -0.2}, r"cfpo: epsilon=-0.2 is invalid; it must be > 0.0"),
+    ("m2po", {"m2_threshold": float("inf")}, r"m2po: m2_threshold=inf is invalid"),
     ("atr_adaptive", {"delta_min": 0.2, "delta_max": 0.1}, r"delta range \[delta_min=0.2, delta_max=0.1\] is empty"),
     ("atr_adaptive", {"delta_min": 0.1, "delta_max": 0.1}, r"delta range .* is empty; it needs delta_min < delta_max"),
     ("atr_adaptive", {"delta": 0.9}, r"initial delta=0.9 is outside the delta range \[0.005, 0.5\]"),
@@ -147,7 +151,7 @@ def test_cli_objectives_json_lists_every_objective(capsys):
     assert cli_main(["objectives", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     names = {r["name"] for r in rows}
-    assert {"kl3", "clip", "dcpo", "truly_ppo", "aspo"} <= names
+    assert {"kl3", "clip", "dcpo", "truly_ppo", "aspo", "dppo_tv", "dppo_kl", "cfpo", "m2po"} <= names
     kl3 = next(r for r in rows if r["name"] == "kl3")
     assert kl3["defaults"] == {"delta": 0.07} and "atr" in kl3["aliases"] and "2602.05494" in kl3["source"]
     assert next(r for r in rows if r["name"] == "truly_ppo")["requires"] == ["full_kl"]

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 import trustclip as tc
 from trustclip.objectives import AGGREGATIONS, REGISTRY, DeltaController, get_objective
 
-NAMES = [name for name in REGISTRY if name != "general"] + ["aspo_entropy", "general_kl3", "atr_seq_wide"]
+NAMES = [name for name in REGISTRY if name != "general"] + ["aspo_entropy", "general_kl3", "atr_seq_wide",
+                                                             "dppo_kl_tis"]
 PROPERTY_SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -22,6 +23,8 @@ def build(name: str):
         return get_objective("general", constraint=tc.DivergenceConstraint("kl3", lambda w: w - 1 - w.log(), 0.07))
     if name == "atr_seq_wide":  # the default delta (GSPO's scale) holds nearly every sequence of these batches
         return get_objective("atr_seq", delta=0.05)
+    if name == "dppo_kl_tis":  # truncated IS: value and gradient set apart
+        return get_objective("dppo_kl", tis_cap=2.0)
     if name == "clip_cov":
         return get_objective(name, clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9, seed=0)
     return get_objective(name)

@@ -14,7 +14,8 @@ from trustclip.objectives import REGISTRY, compute_token_loss, get_objective
 
 # Objectives with a closed-form float64 reference (clip_cov is random and checked separately).
 REFERENCED = ["unconstrained", "clip", "clip_higher", "dual_clip", "dcpo", "trgppo", "kl1", "kl2", "kl3", "is_kl3",
-              "truly_ppo", "sapo", "cispo", "aspo", "gspo", "kl_cov", "atr_seq", "atr_adaptive"]
+              "truly_ppo", "sapo", "cispo", "aspo", "gspo", "kl_cov", "atr_seq", "atr_adaptive", "dppo_tv", "dppo_kl",
+              "cfpo", "m2po"]
 SETTINGS = {  # non-default settings, so each code path is exercised
     "trgppo": [{"epsilon": None}, {"delta": 0.02}],
     "kl1": [{"two_sided": True}],
@@ -27,6 +28,11 @@ SETTINGS = {  # non-default settings, so each code path is exercised
     # atr_seq's default delta (GSPO's scale) clips nearly every sequence of these inputs; 0.01 / 0.001 clip some
     "atr_seq": [{"delta": 0.01}, {"delta": 0.001}],
     "atr_adaptive": [{"delta": 0.02, "target": "clip_frac", "target_value": 0.1}],
+    "dppo_tv": [{"tis_cap": 1.5}, {"delta_low": 0.05, "delta_high": 0.3}],
+    "dppo_kl": [{"tis_cap": 1.5}, {"delta_low": 0.01, "delta_high": 0.1}],
+    "cfpo": [{"epsilon": 0.5}],
+    # 10: the mean of (log w)^2 is below it at once, nothing masked; 1e-4: nearly every token masked
+    "m2po": [{"m2_threshold": 0.01}, {"m2_threshold": 10.0}, {"m2_threshold": 1e-4}],
 }
 
 
@@ -46,7 +52,8 @@ def random_inputs(seed: int, batch: int = 6, length: int = 9, spread: float = 0.
 
 def test_registry_holds_every_method_of_the_brief():
     wanted = {"unconstrained", "clip", "clip_higher", "dual_clip", "dcpo", "clip_cov", "kl_cov", "sapo", "gspo",
-              "cispo", "kl1", "kl2", "kl3", "is_kl3", "trgppo", "truly_ppo", "aspo", "general"}
+              "cispo", "kl1", "kl2", "kl3", "is_kl3", "trgppo", "truly_ppo", "aspo", "general", "dppo_tv", "dppo_kl",
+              "cfpo", "m2po"}
     assert wanted <= set(REGISTRY)
     assert get_objective("atr").name == "kl3"
     for spec in REGISTRY.values():

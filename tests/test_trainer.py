@@ -65,8 +65,11 @@ TIGHT = {
     "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -100.0, "clip_cov_ub": 100.0, "seed": 0},
     "kl_cov": {"kl_cov_ratio": 0.2},
     "atr_seq": {"delta": 1e-10}, "atr_adaptive": {"delta": 1e-5, "delta_min": 1e-6},
+    "dppo_tv": {"delta_low": 1e-7, "delta_high": 1e-7}, "dppo_kl": {"delta_low": 1e-10, "delta_high": 1e-10},
+    "cfpo": {"epsilon": 1e-4}, "m2po": {"m2_threshold": 1e-9},
 }
-NO_HARD_CLIP = {"sapo", "kl_cov"}  # soft gate / penalty only: clip fractions must stay exactly 0
+# soft gate / penalty only: clip fractions must stay exactly 0, and the statistic that shows the mechanism acting
+NO_HARD_CLIP = {"sapo": "gate_weight_mean", "kl_cov": "cov_selected_frac", "cfpo": "pushback_frac"}
 OBJECTIVES = [row["name"] for row in list_objectives() if row["name"] != "general"]
 
 
@@ -99,8 +102,7 @@ def test_every_objective_trains(tiny, tmp_path, name):
         assert second["objective/offpolicy_frac"] > 0
     elif name in NO_HARD_CLIP:
         assert second["objective/clip_frac"] == 0.0
-        stat = "objective/gate_weight_mean" if name == "sapo" else "objective/cov_selected_frac"
-        assert 0 < second[stat] < 1
+        assert 0 < second[f"objective/{NO_HARD_CLIP[name]}"] < 1
     else:
         assert second["objective/clip_frac"] > 0, f"{name} clipped nothing off-policy"
 

@@ -4,10 +4,12 @@ definitions agree; where they differ, the difference is pinned here (see docs/ve
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tensordict import TensorDict
-from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
 from verl.workers.utils.losses import ppo_loss
@@ -22,7 +24,7 @@ from verl_testkit import (
     trustclip_config,
 )
 
-from trustclip import compute_policy_loss, get_objective, ratio_bounds
+from trustclip import compute_policy_loss, compute_token_loss, get_objective, ratio_bounds
 from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
 from trustclip.objectives import RatioInterval
 
@@ -31,7 +33,8 @@ OBJECTIVES = {
     "clip": {}, "clip_higher": {}, "dual_clip": {}, "dcpo": {"clip_ratio_c": 3.0}, "trgppo": {}, "kl1": {},
     "kl2": {}, "kl3": {}, "is_kl3": {}, "general": {"constraint": RatioInterval(0.75, 1.3)}, "sapo": {},
     "cispo": {}, "aspo": {}, "gspo": {}, "clip_cov": {"clip_cov_ratio": 0.1, "seed": 3}, "kl_cov": {},
-    "unconstrained": {}, "atr_seq": {"delta": 0.01},
+    "unconstrained": {}, "atr_seq": {"delta": 0.01}, "dppo_tv": {"tis_cap": 1.5}, "dppo_kl": {}, "cfpo": {},
+    "m2po": {},
 }
 
 
@@ -232,6 +235,111 @@ def test_log_ratio_clamp_differs_only_beyond_20(pair: str) -> None:
         inputs.log_prob[3, 0], inputs.old_log_prob[3, 0], inputs.advantages[3, 0] = -0.01, -25.01, -1.0
     (ours, _), (theirs, _) = run_pair(pair, inputs, "token-sum", {})
     assert torch.isfinite(ours) and not torch.isclose(ours, theirs)
+
+
+# --------------------------------------------------------------------------- DPPO against verl's dppo_tv / dppo_kl
+# verl reads DPPO's thresholds from actor.clip_ratio_low / _high and its truncated-IS cap from actor.clip_ratio_c; it
+# cannot switch the cap off, so trustclip's tis_cap=None (the paper's runs) is compared with the authors' c = 10000.
+DPPO_DELTAS = {"tv": (0.1, 0.2), "kl": (0.03, 0.06)}  # (low, high): asymmetric, so each side is checked
+NO_CAP = 1e4
+
+
+def run_dppo(kind: str, inputs, mode: str, info: dict, cap: float | None):
+    low, high = DPPO_DELTAS[kind]
+    ours = trustclip_via_verl(f"dppo_{kind}", inputs, mode, info, delta_low=low, delta_high=high, tis_cap=cap)
+    theirs = verl_loss(f"dppo_{kind}", inputs, mode, info, clip_ratio_low=low, clip_ratio_high=high,
+                       clip_ratio_c=NO_CAP if cap is None else cap)
+    return ours, theirs
+
+
+def verl_dppo_value(kind: str, inputs, mode: str, info: dict, cap: float | None) -> torch.Tensor:
+    """verl's loss value: -A sg(min(w, c)) log pi on the tokens trustclip keeps, aggregated by verl's agg_loss."""
+    low, high = DPPO_DELTAS[kind]
+    objective = get_objective(f"dppo_{kind}", delta_low=low, delta_high=high, tis_cap=cap)
+    out, batch = compute_token_loss(objective, logp=inputs.log_prob, old_logp=inputs.old_log_prob,
+                                    advantages=inputs.advantages, mask=inputs.response_mask)
+    kept = ~(out.clipped_low | out.clipped_high)
+    weight = batch.ratio.detach().clamp(max=NO_CAP if cap is None else cap)
+    values = -inputs.advantages * weight * inputs.log_prob * kept
+    if inputs.rollout_is_weights is not None:
+        values = values * inputs.rollout_is_weights
+    return agg_loss(loss_mat=values, loss_mask=inputs.response_mask, loss_agg_mode=mode, **info)
+
+
+@pytest.mark.parametrize("info", BATCH_INFOS, ids=str)
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("cap", [None, 1.5], ids=["no-tis", "tis"])
+@pytest.mark.parametrize("kind", ["tv", "kl"])
+def test_dppo_matches_verl_gradient_and_clip_fraction_and_reports_the_surrogate(kind: str, cap, mode: str,
+                                                                                 info: str) -> None:
+    """Same gradient, clip fraction and ppo_kl as verl's dppo_<kind> in every loss_agg_mode; by design the loss value
+    differs: trustclip reports the framework's surrogate min(w A, clip_general(w, C) A), verl -A sg(min(w, c)) log pi
+    (the authors' code), a number with the same gradient that depends on log pi's scale. verl's truncated-IS fraction
+    (its pg_clipfrac_lower) is trustclip's objective/tis_capped_frac; trustclip's pg_clipfrac_lower keeps its
+    dual-clip meaning (0: DPPO has no dual clip)."""
+    inputs = make_inputs(seed=21, weights=info == "global")
+    (loss, metrics), (verl, verl_metrics) = run_dppo(kind, inputs, mode, BATCH_INFOS[info], cap)
+    assert_close(grad(loss, inputs), grad(verl, inputs))
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl"):
+        assert metrics[key] == pytest.approx(verl_metrics[key], rel=1e-6, abs=1e-9), key  # verl: float32 fractions
+    assert metrics["actor/pg_clipfrac"] > 0  # the masks act on these inputs
+    assert_close(verl, verl_dppo_value(kind, inputs, mode, BATCH_INFOS[info], cap))
+    assert not torch.isclose(loss, verl)
+    assert verl_metrics["actor/pg_clipfrac_lower"] == pytest.approx(metrics.get("actor/objective/tis_capped_frac", 0.0))
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0 and (cap is None or verl_metrics["actor/pg_clipfrac_lower"] > 0)
+
+
+def test_dppo_default_hyper_parameters() -> None:
+    """trustclip's defaults are the authors' run script's (TV 0.15, KL 0.05, no truncation); verl's defaults are
+    another loss: thresholds clip_ratio_low/high = 0.2 and, through actor.clip_ratio_c (the dual-clip c, default 3.0),
+    truncated IS at 3 (the 20.0 in verl's code is only the fallback of a config without that field)."""
+    inputs = make_inputs(seed=22, batch=40, length=30)
+    for kind, delta in (("tv", 0.15), ("kl", 0.05)):
+        ours, _ = trustclip_via_verl(f"dppo_{kind}", inputs, "token-mean", {})
+        script, _ = verl_loss(f"dppo_{kind}", inputs, "token-mean", {}, clip_ratio_low=delta, clip_ratio_high=delta,
+                              clip_ratio_c=NO_CAP)
+        ours_grad = grad(ours, inputs)
+        assert_close(ours_grad, grad(script, inputs))
+        verl_default, _ = verl_loss(f"dppo_{kind}", inputs, "token-mean", {})
+        as_verl, _ = trustclip_via_verl(f"dppo_{kind}", inputs, "token-mean", {}, delta_low=0.2, delta_high=0.2,
+                                        tis_cap=3.0)
+        verl_default_grad = grad(verl_default, inputs)
+        assert_close(grad(as_verl, inputs), verl_default_grad)
+        assert not torch.allclose(ours_grad, verl_default_grad)
+
+
+def test_dppo_clip_fraction_differs_on_zero_advantage_tokens() -> None:
+    """verl applies its A < 0 test to A = 0 tokens, so one whose probability fell past delta counts in verl's
+    pg_clipfrac; trustclip counts only tokens whose gradient the mask removed (an A = 0 token has none). Gradients
+    agree."""
+    inputs = make_inputs(seed=23)
+    with torch.no_grad():
+        inputs.advantages[3] = 0.0
+        inputs.log_prob[3, 0], inputs.old_log_prob[3, 0] = -2.0, -0.1  # pi falls from 0.90 to 0.14
+    (loss, metrics), (verl, verl_metrics) = run_dppo("tv", inputs, "token-sum", {}, None)
+    assert_close(grad(loss, inputs), grad(verl, inputs))
+    fell = (inputs.log_prob.exp() - inputs.old_log_prob.exp() < -DPPO_DELTAS["tv"][0]) & inputs.response_mask
+    only_in_verl = (fell & (inputs.advantages == 0)).sum().item()
+    valid = inputs.response_mask.sum().item()
+    assert only_in_verl >= 1
+    assert verl_metrics["actor/pg_clipfrac"] == pytest.approx(metrics["actor/pg_clipfrac"] + only_in_verl / valid)
+
+
+def test_dppo_kl_smoothing_differs_near_probability_one() -> None:
+    """verl computes the binary KL's second term as log((1 - q + 1e-8) / (1 - p + 1e-8)); trustclip's is exact
+    (log(1 - p) through expm1). Where 1 - p is far below 1e-8 the smoothing shrinks the KL: q = 1 - 1e-6 rising to
+    p = 1 - 1e-13 has KL 1.5e-5 (over delta = 1e-5: masked for A > 0) and verl's 3.6e-6 (kept)."""
+    inputs = make_inputs(seed=24)
+    with torch.no_grad():
+        inputs.advantages[1] = 1.0
+        inputs.old_log_prob[1, 0], inputs.log_prob[1, 0] = math.log1p(-1e-6), math.log1p(-1e-13)
+    ours, _ = trustclip_via_verl("dppo_kl", inputs, "token-sum", {}, delta_low=1e-5, delta_high=1e-5)
+    verl, _ = verl_loss("dppo_kl", inputs, "token-sum", {}, clip_ratio_low=1e-5, clip_ratio_high=1e-5,
+                        clip_ratio_c=NO_CAP)
+    ours_grad, verl_grad = grad(ours, inputs), grad(verl, inputs)
+    assert ours_grad[1, 0] == 0 and verl_grad[1, 0] != 0
+    ours_grad[1, 0] = verl_grad[1, 0] = 0
+    assert_close(ours_grad, verl_grad)
 
 
 # --------------------------------------------------------------------------- Dr.GRPO normaliser in verl 0.9.1

@@ -29,6 +29,9 @@ SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log th
     OFFPOLICY: ("off-policy fraction (ratio outside [0.8, 1.2])", "mean", 4),
     names.CLIP_LOW: ("clip fraction low", "mean", 4),
     names.CLIP_HIGH: ("clip fraction high", "mean", 4),
+    # what acts where no token is clipped (cfpo: its clip_frac is 0 by construction) or the mask ignores A (m2po)
+    names.objective_name("pushback_frac"): ("penalty pull-back fraction (cfpo)", "mean", 4),
+    names.objective_name("m2_masked_frac"): ("second-moment masked fraction (m2po)", "mean", 4),
 }
 
 

@@ -1,11 +1,19 @@
 """Pure-torch policy objectives (no trainer imports): the unified clipping framework and baselines."""
 
-from trustclip.objectives import adaptive, clipping, covariance, reweighting  # noqa: F401  (register objectives)
+from trustclip.objectives import (  # noqa: F401  (register objectives)
+    adaptive,
+    clipping,
+    covariance,
+    dppo,
+    reweighting,
+    second_moment,
+)
 from trustclip.objectives.adaptive import DeltaController
 from trustclip.objectives.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trustclip.objectives.aggregation import AGGREGATIONS, aggregate
 from trustclip.objectives.batch import PolicyBatch, make_batch
 from trustclip.objectives.constraints import (
+    BinaryDivergence,
     Constraint,
     DivergenceConstraint,
     FullKLConstraint,
@@ -28,9 +36,9 @@ from trustclip.objectives.registry import (
 from trustclip.objectives.statistics import PolicyMetrics, policy_metrics, reduce_statistics, token_statistics
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "Constraint", "DeltaController", "DivergenceConstraint",
-    "FullKLConstraint", "Objective", "PolicyBatch", "PolicyMetrics", "ProbabilityInterval", "RatioInterval",
-    "TokenLoss", "aggregate", "compute_advantages", "compute_policy_loss", "compute_token_loss", "custom_divergence",
-    "full_vocab_logprobs", "get_objective", "kl_constraint", "list_objectives", "make_batch", "policy_metrics",
-    "ratio_bounds", "reduce_statistics", "register_objective", "token_statistics",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "REGISTRY", "BinaryDivergence", "Constraint", "DeltaController",
+    "DivergenceConstraint", "FullKLConstraint", "Objective", "PolicyBatch", "PolicyMetrics", "ProbabilityInterval",
+    "RatioInterval", "TokenLoss", "aggregate", "compute_advantages", "compute_policy_loss", "compute_token_loss",
+    "custom_divergence", "full_vocab_logprobs", "get_objective", "kl_constraint", "list_objectives", "make_batch",
+    "policy_metrics", "ratio_bounds", "reduce_statistics", "register_objective", "token_statistics",
 ]

@@ -146,6 +146,16 @@ def dcpo_bounds(q, epsilon_low: float = 0.16, epsilon_high: float = 0.2, max_hig
     return (float(low), float(high)) if xp is np and low.ndim == 0 else (low, high)
 
 
+def dppo_tv_bounds(q, delta_low: float = 0.15, delta_high: float = 0.15):
+    """DPPO Binary-TV region (arXiv 2602.04879): -delta_low <= pi(y) - q <= delta_high with pi(y) = w q, i.e.
+    l(q) = max(1 - delta_low / q, 0),  u(q) = 1 + delta_high / q.
+    Works on floats, numpy arrays and torch tensors (q in (0, 1]; checked for floats and arrays)."""
+    xp, q = (torch, q) if hasattr(q, "clamp") else (np, np.asarray(check_probability(q), dtype=np.float64))
+    low = xp.clip(1 - delta_low / q, 0, None)
+    high = 1 + delta_high / q
+    return (float(low), float(high)) if xp is np and low.ndim == 0 else (low, high)
+
+
 def trgppo_bounds(q, delta: float = 0.07, epsilon: float | None = 0.2, iterations: int = 10):
     """TRGPPO (Wang et al. 2019, arXiv 1901.10314) KL-guided ratio region for discrete actions.
 

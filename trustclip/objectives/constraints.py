@@ -126,6 +126,54 @@ class ProbabilityInterval(Constraint):
         return self.bounds_of_q(batch.old_logp.exp())
 
 
+BINARY_DIVERGENCES = ("tv", "kl")
+
+
+@dataclass(frozen=True)
+class BinaryDivergence(Constraint):
+    """C_t := D(q_t, p_t) <= delta, D a divergence between the old and the new policy with the vocabulary collapsed to
+    {sampled token, every other token} (DPPO's Binary approximation, arXiv 2602.04879): q = pi_old(y_t),
+    p = pi_theta(y_t) = w q. `kind` 'tv': D = |p - q|; 'kl': D = q log(q/p) + (1 - q) log((1 - q)/(1 - p)) =
+    KL(pi_old || pi_theta) of the two-point distributions. delta_low applies where p < q, delta_high where p > q.
+
+    D is computed from the log-probabilities themselves (as DPPO's code does), not from the ratio clamped at
+    e^+-20. For fixed q, D is convex in p with D = 0 at p = q, so the feasible set is a ratio interval that depends on
+    q (`interval`): [1 - delta_low / q, 1 + delta_high / q] for TV, TRGPPO's KL region for KL."""
+
+    kind: str
+    delta_low: float
+    delta_high: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in BINARY_DIVERGENCES:
+            raise ValueError(f"binary divergence kind must be one of {BINARY_DIVERGENCES}, got {self.kind!r}")
+        for name in ("delta_low", "delta_high"):
+            B.check_delta(getattr(self, name))
+
+    def divergence(self, batch: PolicyBatch) -> torch.Tensor:
+        """D(q_t, p_t) per token, (B, T), no gradient."""
+        logp, old_logp = batch.logp.detach(), batch.old_logp.detach()
+        q = old_logp.exp()
+        if self.kind == "tv":
+            return (logp.exp() - q).abs()
+        # log(1 - x) = log(-expm1(log x)) keeps precision when x is close to 1; (1 - q) * ... is 0 when q == 1,
+        # even where p == 1 makes the log infinite (then D is +inf for q < 1: the token left any trust region)
+        log_rest = torch.log(-torch.expm1(old_logp)) - torch.log(-torch.expm1(logp))
+        rest = torch.where(q < 1, (1 - q) * log_rest, torch.zeros_like(q))
+        return q * (old_logp - logp) + rest
+
+    def holds(self, batch: PolicyBatch) -> torch.Tensor:
+        divergence = self.divergence(batch)  # compared with each threshold as a Python float: no rounding of delta
+        return torch.where(batch.logp.detach() > batch.old_logp, divergence <= self.delta_high,
+                           divergence <= self.delta_low)
+
+    def interval(self, batch: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        q = batch.old_logp.exp()
+        if self.kind == "tv":
+            return B.dppo_tv_bounds(q, self.delta_low, self.delta_high)
+        return B.trgppo_bounds(q, self.delta_low, None)[0], B.trgppo_bounds(q, self.delta_high, None)[1]
+
+
 @dataclass(frozen=True)
 class FullKLConstraint(Constraint):
     """C_t := KL(pi_old(.|s_t) || pi_theta(.|s_t)) < delta, the exact full-vocabulary KL given as the

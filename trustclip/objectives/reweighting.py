@@ -1,4 +1,4 @@
-"""Objectives that reshape the importance weight instead of (only) masking it: soft gates, detached
+"""Objectives that reshape the importance weight instead of (only) masking it: soft gates, penalties, detached
 clipped weights, flipped weights, and sequence-level ratios."""
 
 from __future__ import annotations
@@ -35,6 +35,24 @@ def sapo(batch: PolicyBatch, *, tau_pos: float, tau_neg: float) -> TokenLoss:
     tau = torch.where(adv > 0, torch.full_like(w, tau_pos), torch.full_like(w, tau_neg))
     s = torch.sigmoid(tau * (w - 1))
     return TokenLoss.unclipped(-(s * 4 / tau) * adv, gate_weight_mean=4 * s.detach() * (1 - s.detach()))
+
+
+@register_objective(
+    "cfpo",
+    source="CFPO clipping-free policy optimization, Cagatan, Akgun, Sahin, Zhao 2026 (arXiv 2601.22801); TRL PR #5027",
+    summary="no clipping: a quadratic penalty J = w A - |A| (w - 1)^2 / (2 eps), peaked at PPO's clip boundary",
+    params={"epsilon": number(0.2, low=0.0, strict_low=True,
+                              doc="the clip range it replaces (no new hyper-parameter; TRL PR #5027: epsilon_high)")},
+)
+def cfpo(batch: PolicyBatch, *, epsilon: float) -> TokenLoss:
+    """J = w A - |A| (w - 1)^2 / (2 eps), the paper's convex (in w) penalty derived from a TV trust region, as the
+    authors' TRL PR writes it. Not clip_general: no token loses its gradient; the weight
+        phi = w (1 - sign(A) (w - 1) / eps)
+    is w at w = 1, 0 at w = 1 + sign(A) eps (each token's term peaks at PPO's clip boundary) and negative beyond it,
+    where the penalty pulls the ratio back. `pushback_frac`: the tokens past that peak."""
+    w, adv = batch.ratio, batch.advantages
+    pushback = (w.detach() - 1) * torch.sign(adv) > epsilon
+    return TokenLoss.unclipped(-(w * adv - adv.abs() * (w - 1) ** 2 / (2 * epsilon)), pushback_frac=pushback)
 
 
 @register_objective(

@@ -1,0 +1,58 @@
+"""M2PO, Second-Moment Trust Policy Optimization (Zheng et al. 2025, "Prosperity before Collapse: How Far Can
+Off-Policy RL Reach with Stale Data on LLMs?", arXiv 2510.01161; in AReaL as `actor.m2_threshold`, and in
+Trinity-RFT).
+
+M2PO bounds a statistic of the whole batch instead of testing each token:
+    M2_t = (log w_t)^2;   mask the tokens of largest M2_t until the mean M2 of the remaining valid tokens is < tau
+    J_t = M_t w_t A_t     (no ratio clipping: a kept token keeps its unclipped weight w)
+It is not clip_general(w, C) for any per-token constraint C: whether a token is masked depends on every other token of
+the batch (so, as with clip_cov / kl_cov, on the micro-batch composition), and a masked token loses its gradient
+whatever the sign of its advantage, also when its ratio moved against it, which clip_general never removes.
+
+The log-ratio is taken against the policy that generated the batch (`old_logp`, AReaL's behaviour log-probabilities)
+at the current parameters, detached: AReaL's proximal log-probabilities are those of the policy at the start of the
+update, the same thing when each update is one step on the whole batch (its `ppo_n_minibatches: 1`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trustclip.objectives.batch import PolicyBatch
+from trustclip.objectives.registry import TokenLoss, number, register_objective
+
+
+def second_moment_mask(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool (B, T): the valid tokens M2PO masks. Sorted by M2 = (log w)^2, largest first (a stable sort, so ties keep
+    their order and padding cannot change the choice), the fewest largest are masked so that the mean M2 of the rest
+    is < threshold; if no such set exists, all but the smallest are masked (AReaL keeps one token)."""
+    m2 = log_ratio.detach()[valid] ** 2
+    ordered, order = torch.sort(m2, descending=True, stable=True)
+    n = ordered.numel()
+    rest_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
+    below = rest_mean < threshold
+    count = torch.where(below.any(), below.to(torch.uint8).argmax(), n - 1)  # argmax: the first suffix below
+    masked = torch.zeros_like(below)
+    masked[order] = torch.arange(n, device=m2.device) < count
+    full = torch.zeros_like(valid)
+    full[valid] = masked
+    return full
+
+
+@register_objective(
+    "m2po",
+    source="M2PO second-moment trust policy optimization, Zheng et al. 2025 (arXiv 2510.01161); AReaL `m2_threshold`",
+    summary="mask the largest (log w)^2 until the batch's mean second moment is < tau; J = M w A, no ratio clipping",
+    params={"m2_threshold": number(0.04, low=0.0, strict_low=True,
+                                   doc="tau, bound on the mean (log w)^2 of the kept tokens (AReaL's M2PO example)")},
+)
+def m2po(batch: PolicyBatch, *, m2_threshold: float) -> TokenLoss:
+    """J_t = M_t w_t A_t with M from `second_moment_mask` over the valid tokens of this batch; phi = w on kept tokens,
+    0 on masked ones (either sign of A). `m2_mean`: the batch's second moment before masking; `m2_masked_frac`:
+    the masked tokens (clip_frac counts those with A != 0, whose gradient the mask removed)."""
+    w, adv = batch.ratio, batch.advantages
+    masked = second_moment_mask(batch.log_ratio, batch.mask > 0, m2_threshold)
+    loss = -torch.where(masked, torch.zeros_like(w), w * adv)
+    moved = masked & (adv != 0)
+    return TokenLoss(loss, clipped_low=moved & (w < 1), clipped_high=moved & (w > 1),
+                     stats={"m2_masked_frac": masked, "m2_mean": batch.log_ratio.detach() ** 2})
