@@ -566,3 +566,22 @@ def test_resume_takes_only_checkpoint_n_folders(tmp_path):
     said: list[str] = []
     assert last_checkpoint(tmp_path, said.append) is None
     assert said == []
+
+
+@pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
+@pytest.mark.parametrize("where", ["data.eval", "data.train"])
+def test_prompts_too_long_for_the_model_are_refused_before_any_work(where, print_config, tiny_model_path, tmp_path,
+                                                                     capsys):
+    """The tiny model has 256 positions: a 300-character prompt plus the generated tokens cannot fit (transformers
+    would only warn). The run refuses before any model is loaded; --print-config flags it too."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"id": "short", "problem": "1+1?", "answer": "2", "solution": "2"},
+            {"id": "long", "problem": "Compute 1+1. " * 23, "answer": "2", "solution": "2"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = f"data.eval=['long={data}']" if where == "data.eval" else f"data.train={data}"
+    out = tmp_path / "run"
+    argv = ["train", *tiny(tiny_model_path), "--output-dir", str(out), "--set", source, "--stages", "rl,eval"]
+    code, stdout, err = run_cli(argv + ["--print-config"] * print_config, capsys)
+    option = "eval.max_new_tokens=12" if where == "data.eval" else "rl.max_completion_length=12"
+    assert code != 0 and "(id 'long') has" in err and f"with {option} exceed the 256 positions of model" in err, err
+    assert not out.exists()

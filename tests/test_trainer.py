@@ -245,11 +245,6 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
     ({"loss_type": "bnpo"}, "loss_type='bnpo' normalises by the tokens of each micro-batch"),
     ({"loss_type": "nonsense"}, "loss_type='nonsense' is not a TRL loss type"),
     ({"loss_type": "vespo"}, "no objective computing TRL's vespo loss"),
-    ({"vespo_k_pos": 3.0}, "TRL's loss_type='dapo', TRL's default, does not use vespo_k_pos (only "
-                           "loss_type='vespo' does)"),
-    ({"loss_type": "grpo", "sapo_temperature_neg": 2.0}, "does not use sapo_temperature_neg (only loss_type='sapo'"),
-    ({"temperature": 0.0}, "temperature=0.0 is invalid: must be a finite number > 0"),
-    ({"temperature": float("nan")}, "temperature=nan is invalid"),
     ({"objective": "clip", "loss_type": "cispo", "epsilon": 0.9}, "TRL's cispo caps the ratio w at epsilon_high"),
     ({"objective": "clip", "loss_type": "cispo", "epsilon_high": 5.0}, "not objective='clip'"),
     ({"objective": "kl3", "epsilon": 0.3}, "which are objective 'clip' {'epsilon': 0.3} in trustclip, not "
@@ -268,6 +263,24 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
 def test_issue27_item1_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make_config(tmp_path, **options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"vespo_k_pos": 2.0}, "TRL's loss_type='dapo', TRL's default, does not use vespo_k_pos (only "
+                           "loss_type='vespo' does)"),
+    ({"loss_type": "grpo", "sapo_temperature_neg": 2.0}, "does not use sapo_temperature_neg (only loss_type='sapo'"),
+])
+def test_an_option_of_another_trl_loss_type_is_refused_naming_that_loss_type(tmp_path, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(tmp_path, **options)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan")])
+def test_a_temperature_that_cannot_sample_is_refused_with_the_config(tmp_path, temperature):
+    """TRL accepts temperature=0 and fails at the first generation; the config refuses it."""
+    with pytest.raises(ValueError, match=re.escape(f"temperature={temperature!r} is invalid: must be a finite number "
+                                                   "> 0")):
+        make_config(tmp_path, temperature=temperature)
 
 
 def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
@@ -364,7 +377,7 @@ def test_a_plain_grpo_config_and_a_trustclip_config_train_alike(tiny, tmp_path):
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                   num_iterations=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-                  activation_checkpointing=False, gradient_checkpointing=None, loss_type="grpo", scale_rewards="group")
+                  **checkpointing_off(), loss_type="grpo", scale_rewards="group")
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
     logger = logging.getLogger("trustclip.trainers.trl_trainer")
     with _records(logger) as records:
