@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                   for name, rows in benchmarks.items()]
         for model in models:  # every prompt fits each model with the tokens generated after it
             check_generation_room(_model_path(model, config), groups, settings.prompt_style, settings.system_prompt,
-                                  label=model)
+                                  label=model, trust_remote_code=config.model.trust_remote_code)
     except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2

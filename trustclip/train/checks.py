@@ -143,29 +143,29 @@ def adapter_base(path: Path) -> str | None:
     return base
 
 
-def model_positions(path: str) -> int | None:
+def model_positions(path: str, trust_remote_code: bool = False) -> int | None:
     """The most tokens (prompt + completion) the model at `path` (a folder or hub id; an adapter: its base) attends
     to, from its config; None when the config declares no limit."""
     from transformers import AutoConfig
 
     base = adapter_base(Path(path)) if Path(path).is_dir() else None
-    config = AutoConfig.from_pretrained(resolve_model_name(base or path))
+    config = AutoConfig.from_pretrained(resolve_model_name(base or path), trust_remote_code=trust_remote_code)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limits = [getattr(config, key, None) for key in ("max_position_embeddings", "n_positions", "max_sequence_length")]
     return next((value for value in limits if isinstance(value, int) and value > 0), None)
 
 
 def check_generation_room(model: str, groups: list[tuple[str, list[dict[str, Any]], int, str]], prompt_style: str,
-                          system_prompt: str | None, label: str | None = None) -> None:
+                          system_prompt: str | None, label: str | None = None, trust_remote_code: bool = False) -> None:
     """ValueError, before any model is loaded, when a prompt plus what is generated after it would not fit in the
     model's positions (transformers would only warn, and the completions past them are garbage). `groups`: (what,
     rows, new tokens, the option that sets them); the prompts are written as generation writes them. `label`: the
-    model's name in the message (default `model`)."""
+    model's name in the message (default `model`); `trust_remote_code` as the model will be loaded."""
     path = resolve_model_name(model)
-    positions = model_positions(path)
+    positions = model_positions(path, trust_remote_code)
     if positions is None:
         return
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(_tokenizer_folder(path), trust_remote_code=trust_remote_code)
     for what, rows, new_tokens, option in groups:
         prompts = [format_prompt(r["problem"], tokenizer, prompt_style, system_prompt) for r in rows]
         if not prompts:
@@ -181,6 +181,14 @@ def check_generation_room(model: str, groups: list[tuple[str, list[dict[str, Any
                 "filter the prompts, or use a model with more positions")
 
 
+def _tokenizer_folder(path: str) -> str:
+    """Where the model at `path` keeps its tokenizer: an adapter folder saved without one uses its base model's."""
+    folder = Path(path)
+    if folder.is_dir() and not (folder / "tokenizer_config.json").is_file() and (base := adapter_base(folder)):
+        return resolve_model_name(base)
+    return path
+
+
 def run_generation_room(config: TrainConfig, rl_rows: list[dict[str, Any]] | None,
                         benchmarks: dict[str, list[dict[str, Any]]] | None) -> None:
     """`check_generation_room` for a run: its RL prompts with rl.max_completion_length, its benchmarks with
@@ -190,7 +198,8 @@ def run_generation_room(config: TrainConfig, rl_rows: list[dict[str, Any]] | Non
     groups = [("data.train", rl_rows or [], config.rl.max_completion_length, "rl.max_completion_length")]
     groups += [(f"benchmark {bench!r}", rows, config.eval.max_new_tokens, "eval.max_new_tokens")
                for bench, rows in (benchmarks or {}).items()]
-    check_generation_room(model, groups, config.data.prompt_style, config.data.system_prompt, label=name)
+    check_generation_room(model, groups, config.data.prompt_style, config.data.system_prompt, label=name,
+                          trust_remote_code=config.model.trust_remote_code)
 
 
 def local_sources(config: TrainConfig) -> bool:
