@@ -203,12 +203,13 @@ def test_the_one_transfer_validation_builds_the_batch_of_the_token_by_token_path
 
 
 @pytest.mark.parametrize("field", ["old_logp", "advantages", "mask", "token_weights"])
-def test_an_input_on_another_device_is_named(field):
-    """torch's own "Expected all tensors to be on the same device" names no argument; the meta device stands for a
-    GPU here (no data, so nothing is computed), which runs on any machine."""
-    values = inputs() | {"token_weights": torch.ones(2, 3)}
-    values[field] = values[field].to("meta")
-    with pytest.raises(ValueError, match=f"{field} is on device meta, logp on cpu"):
+def test_an_input_on_another_device_is_named(field, device):
+    """torch's own "Expected all tensors to be on the same device" names no argument. With a GPU: log-probs on it, one
+    input on the CPU; on the CPU, the meta device (no data, so nothing is computed) stands for the other device."""
+    other = "meta" if device == "cpu" else "cpu"
+    values = {k: v.to(device) for k, v in (inputs() | {"token_weights": torch.ones(2, 3)}).items()}
+    values[field] = values[field].to(other)
+    with pytest.raises(ValueError, match=f"{field} is on device {other}, logp on {device}"):
         tc.compute_policy_loss("kl3", aggregation="token_mean", **values)
 
 
@@ -233,14 +234,15 @@ def test_a_normaliser_the_aggregation_does_not_use_is_refused(aggregation, unuse
         tc.compute_policy_loss("kl3", **inputs(), aggregation=aggregation, **needed, **unused)
 
 
-def test_low_precision_log_probs_are_computed_in_float32():
+def test_low_precision_log_probs_are_computed_in_float32(device):
     """bfloat16 log-probs: the ratio, the clip decisions and the loss are those of float32 (64 x 256 tokens, a ratio
     spread across the clip bounds); the gradient still reaches the bfloat16 tensor."""
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(64, 256, generator=g) * 3 - 0.05
-    logp = (old + 0.15 * torch.randn(64, 256, generator=g)).clamp(max=0.0).to(torch.bfloat16).requires_grad_(True)
-    batch = {"old_logp": old.to(torch.bfloat16), "advantages": torch.randn(64, generator=g),
-             "mask": torch.ones(64, 256), "aggregation": "token_mean"}
+    logp = (old + 0.15 * torch.randn(64, 256, generator=g)).clamp(max=0.0).to(device, torch.bfloat16)
+    logp.requires_grad_(True)
+    batch = {"old_logp": old.to(device, torch.bfloat16), "advantages": torch.randn(64, generator=g).to(device),
+             "mask": torch.ones(64, 256, device=device), "aggregation": "token_mean"}
     low, low_metrics = tc.compute_policy_loss("clip", logp=logp, **batch)
     high, high_metrics = tc.compute_policy_loss("clip", logp=logp.detach().float(), **batch)
     assert low.dtype == torch.float32 and low.item() == high.item()
