@@ -26,7 +26,7 @@ def _batch(b: int = 2, t: int = 24):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"num_tokens": 1, "aggregation": "token_mean"}, "num_tokens=1 is smaller than this batch's 48 valid tokens"),
     ({"num_tokens": 47.0, "aggregation": "token_mean"}, "num_tokens=47.0 is smaller"),
-    ({"num_sequences": 1}, "num_sequences=1 is smaller than this batch's 2 sequences"),
+    ({"num_sequences": 1, "max_len": 24}, "num_sequences=1 is smaller than this batch's 2 sequences"),
 ])
 def test_a_global_count_below_the_batch_is_an_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -42,14 +42,15 @@ def test_global_counts_with_processes_give_the_big_batch_loss(aggregation):
     batch = _batch(b=2)
     batch["mask"] = torch.ones(2, 24)
     batch["mask"][1, 5:] = 0  # 24 + 5 valid tokens: one half holds most of them
-    whole, _ = tc.compute_policy_loss("clip", **batch, aggregation=aggregation, max_len=24)
+    max_len = {"max_len": 24} if aggregation == "dr_grpo" else {}
+    whole, _ = tc.compute_policy_loss("clip", **batch, aggregation=aggregation, **max_len)
     halves = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(2)]
     counts = {"num_tokens": 29} if aggregation == "token_mean" else {"num_sequences": 2}
-    shares = [tc.compute_policy_loss("clip", **h, aggregation=aggregation, max_len=24, num_processes=2, **counts)[0]
+    shares = [tc.compute_policy_loss("clip", **h, aggregation=aggregation, **max_len, num_processes=2, **counts)[0]
               for h in halves]
     torch.testing.assert_close((shares[0] + shares[1]) / 2, whole)
     with pytest.raises(ValueError, match="num_processes must be an integer >= 1"):
-        tc.compute_policy_loss("clip", **batch, num_processes=0)
+        tc.compute_policy_loss("clip", **batch, aggregation="token_mean", num_processes=0)
     plain_sum, _ = tc.compute_policy_loss("clip", **batch, aggregation="seq_mean_token_sum", num_sequences=1)
     per_sequence, _ = tc.compute_policy_loss("clip", **batch, aggregation="seq_mean_token_sum")
     torch.testing.assert_close(plain_sum, 2 * per_sequence)  # num_sequences=1: the plain token sum (verl's)
@@ -63,9 +64,11 @@ def test_negative_weights_and_divergences_are_errors(name):
     values[1, 3] = -0.2
     with pytest.raises(ValueError, match=rf"{name} must be >= 0 on every valid token; found 1 negative value\(s\) "
                                          r"\(first at index \(1, 3\)"):
-        tc.compute_policy_loss(tc.get_objective(objective, **kwargs), **_batch(), **{name: values})
+        tc.compute_policy_loss(tc.get_objective(objective, **kwargs), **_batch(), aggregation="token_mean",
+                               **{name: values})
     values[1, 3] = -1e-6  # float32 round-off of an exact 0 (a KL of identical distributions) passes
-    tc.compute_policy_loss(tc.get_objective(objective, **kwargs), **_batch(), **{name: values})
+    tc.compute_policy_loss(tc.get_objective(objective, **kwargs), **_batch(), aggregation="token_mean",
+                           **{name: values})
 
 
 def test_a_nan_divergence_is_an_error():
@@ -76,6 +79,24 @@ def test_a_nan_divergence_is_an_error():
         tc.custom_divergence(nan_above_3, 0.1)
     low, high = tc.custom_divergence(lambda w: (w - 1) ** 2, 0.01).bounds  # a sound one still works
     assert (low, high) == pytest.approx((0.9, 1.1))
+
+
+@pytest.mark.parametrize("divergence,message", [
+    # back below delta far from 1 (D -> 0 as |log w| grows): the set is not an interval, though D(2) = 0.30 > delta
+    (lambda w: w.log() ** 2 * torch.exp(-w.log() ** 2), r"not an interval, .* leaves it at \[0.7158, 1.397\]"),
+    (lambda w: torch.sin(3 * (w - 1)) ** 2, r"not an interval, .* leaves it at \[0.8927, 1.107\]"),
+    (lambda w: -((w - 1) ** 2), r"divergence is negative at w = 1e-12 \(D = -1\)"),
+])
+def test_a_divergence_without_an_interval_gets_no_bounds(divergence, message):
+    with pytest.raises(ValueError, match=message):
+        tc.custom_divergence(divergence, 0.1)
+
+
+def test_a_certified_divergence_bounds_exactly_its_feasible_set():
+    constraint = tc.custom_divergence(lambda w: (w.sqrt() - 1) ** 2, 0.05)
+    low, high = constraint.bounds
+    w = torch.tensor([low * 0.999, low * 1.001, 1.0, high * 0.999, high * 1.001], dtype=torch.float64)
+    assert ((w.sqrt() - 1) ** 2 <= 0.05).tolist() == [False, True, True, True, False]
 
 
 @pytest.mark.parametrize(("name", "q"), [

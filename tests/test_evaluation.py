@@ -290,15 +290,17 @@ def write_benchmark(path: Path, shared_dir: Path, n: int = 3) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_trustclip_eval_end_to_end(tiny_model_path, tmp_path, capsys):
+def test_trustclip_eval_end_to_end(tmp_path, capsys):
     from trustclip.cli import main
     from trustclip.models import build_tiny_model
 
     bench = tmp_path / "aime_mini.jsonl"
     write_benchmark(bench, SHARED_DATA)
-    second = build_tiny_model(tmp_path / "tiny-seed1", seed=1)  # a "later checkpoint" of the run
+    # real AIME prompts are longer than the default 256 positions: checkpoints with room for them
+    first = build_tiny_model(tmp_path / "tiny", max_position_embeddings=2048)
+    second = build_tiny_model(tmp_path / "tiny-seed1", seed=1, max_position_embeddings=2048)  # a later checkpoint
     out = tmp_path / "report"
-    argv = ["eval", "--model", str(tiny_model_path), "--model", str(second), "--benchmark", f"aime={bench}"]
+    argv = ["eval", "--model", str(first), "--model", str(second), "--benchmark", f"aime={bench}"]
     argv += ["--benchmark", "builtin", "--limit", "3", "--k", "2", "--temperature", "0.3", "--top-p", "0.95"]
     argv += ["--max-new-tokens", "8", "--batch-size", "16", "--seed", "5", "--output", str(out), "--no-progress"]
     assert main(argv) == 0
@@ -310,7 +312,7 @@ def test_trustclip_eval_end_to_end(tiny_model_path, tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert data["seed"] == 5 and data["config"]["temperature"] == 0.3
     assert data["meta"]["data_seed"] == 0 and data["meta"]["benchmarks"] == [f"aime={bench}", "builtin"]
-    assert [c["model"] for c in data["checkpoints"]] == [str(tiny_model_path), str(second)]
+    assert [c["model"] for c in data["checkpoints"]] == [str(first), str(second)]
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 4 * 3 and all(len(s["completions"]) == 2 for s in samples)
     # The reported Mean@2 / Pass@2 are exactly what the stored samples and scores give.
@@ -339,3 +341,63 @@ def test_eval_config_validation():
     with pytest.raises(ValueError, match="backend"):
         EvalConfig(backend="tgi")
     assert EvalConfig(k=4, n_samples=16).n == 16
+
+
+def _short_eval(model, bench, out, *extra):
+    return ["eval", "--model", str(model), "--benchmark", f"b={bench}", "--k", "1", "--max-new-tokens", "2",
+            "--output", str(out), "--no-progress", *extra]
+
+
+def _write_rows(path, problems):
+    path.write_text("".join(json.dumps({"id": f"r{i}", "problem": p, "answer": "2"}) + "\n"
+                            for i, p in enumerate(problems)))
+    return path
+
+
+def test_trustclip_eval_keeps_an_earlier_evaluation_in_its_output_folder(tiny_model_path, tmp_path, capsys):
+    from trustclip.cli import main
+
+    bench = _write_rows(tmp_path / "b.jsonl", ["1+1?"])
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "samples.jsonl").write_text("earlier\n")
+    assert main(_short_eval(tiny_model_path, bench, out)) == 2
+    assert f"--output {out} already holds an evaluation (samples.jsonl)" in capsys.readouterr().err
+    assert (out / "samples.jsonl").read_text() == "earlier\n" and not (out / "results.json").exists()
+
+
+def test_trustclip_eval_warns_about_a_benchmark_with_duplicated_problems(tiny_model_path, tmp_path, capsys):
+    from trustclip.cli import main
+
+    bench = _write_rows(tmp_path / "b.jsonl", ["1+1?", "2+2?", "1+1?", " 1+1? ", "2+2?"])
+    assert main(_short_eval(tiny_model_path, bench, tmp_path / "report")) == 0
+    err = capsys.readouterr().err
+    assert "warning: benchmark 'b' holds 2 problem(s) more than once (3 extra row(s) of 5)" in err
+
+
+def test_trustclip_eval_of_an_adapter_whose_base_model_is_gone_names_it(tmp_path, capsys):
+    from trustclip.cli import main
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    gone = tmp_path / "sft" / "final"
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(gone)}))
+    bench = _write_rows(tmp_path / "b.jsonl", ["1+1?"])
+    assert main(_short_eval(adapter, bench, tmp_path / "report")) == 2
+    err = capsys.readouterr().err
+    assert f"is a LoRA adapter, and this adapter's base model {gone} is missing" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny", "folder"])
+def test_trustclip_eval_refuses_prompts_that_do_not_fit_the_model(tiny_model_path, tmp_path, capsys, model):
+    """256 positions (the tiny model, built-in or as a checkpoint folder): a 250-character prompt leaves no room for 8
+    new tokens; refused before generating, with the largest --max-new-tokens that fits."""
+    from trustclip.cli import main
+
+    bench = _write_rows(tmp_path / "b.jsonl", ["1+1?", "x" * 245 + " 1+1?"])
+    name = "builtin:tiny" if model == "builtin:tiny" else str(tiny_model_path)
+    out = tmp_path / "report"
+    assert main(_short_eval(name, bench, out, "--max-new-tokens", "8")) == 2
+    err = capsys.readouterr().err
+    assert "benchmark 'b': prompt 1 (id 'r1') has" in err and f"exceed the 256 positions of model {name}" in err
+    assert "lower --max-new-tokens to" in err and not out.exists()

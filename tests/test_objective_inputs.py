@@ -20,7 +20,10 @@ def inputs(batch=2, length=3):
 
 
 def loss_of(objective="kl3", **changes):
-    return tc.compute_policy_loss(objective, **(inputs() | changes))
+    kwargs = inputs() | changes
+    if kwargs.get("aggregation", "dr_grpo") == "dr_grpo":
+        kwargs.setdefault("max_len", 3)  # dr_grpo's constant L_max
+    return tc.compute_policy_loss(objective, **kwargs)
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -44,12 +47,12 @@ def test_nan_on_padding_is_ignored_but_nan_on_a_token_is_not():
     logp = torch.tensor([[-1.0, float("nan")], [-1.0, -2.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     loss, _ = tc.compute_policy_loss("kl3", logp=logp, old_logp=torch.full((2, 2), -1.2), advantages=torch.ones(2),
-                                     mask=mask)
+                                     mask=mask, aggregation="token_mean")
     loss.backward()
     assert torch.isfinite(loss) and logp.grad[0, 1] == 0
     with pytest.raises(ValueError, match="non-finite"):
         tc.compute_policy_loss("kl3", logp=logp, old_logp=torch.full((2, 2), -1.2), advantages=torch.ones(2),
-                               mask=torch.ones(2, 2))
+                               mask=torch.ones(2, 2), aggregation="token_mean")
 
 
 @pytest.mark.parametrize("name,hparams,message", [
@@ -197,3 +200,52 @@ def test_the_one_transfer_validation_builds_the_batch_of_the_token_by_token_path
     assert _fast_batch(logp, old - 25.0, *args[2:]) is None  # |log w| beyond the clamp
     assert _fast_batch(logp, old, args[2], mask.float() * 0.5, *args[4:]) is None  # not a 0/1 mask
     assert _fast_batch(*args[:4], {"entropy": -args[4]["entropy"]}, ["entropy"]) is None  # a negative entropy
+
+
+@pytest.mark.parametrize("field", ["old_logp", "advantages", "mask", "token_weights"])
+def test_an_input_on_another_device_is_named(field, device):
+    """torch's own "Expected all tensors to be on the same device" names no argument. With a GPU: log-probs on it, one
+    input on the CPU; on the CPU, the meta device (no data, so nothing is computed) stands for the other device."""
+    other = "meta" if device == "cpu" else "cpu"
+    values = {k: v.to(device) for k, v in (inputs() | {"token_weights": torch.ones(2, 3)}).items()}
+    values[field] = values[field].to(other)
+    with pytest.raises(ValueError, match=f"{field} is on device {other}, logp on {device}"):
+        tc.compute_policy_loss("kl3", aggregation="token_mean", **values)
+
+
+def test_dr_grpo_without_its_constant_length_is_refused():
+    """Dividing by the batch's longest response is not Dr.GRPO's constant L_max: the default asks for max_len."""
+    with pytest.raises(ValueError, match=r"aggregation='dr_grpo' divides by a constant L_max: pass max_len"):
+        tc.compute_policy_loss("kl3", **inputs())
+    short = inputs() | {"mask": torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])}
+    loss, _ = tc.compute_policy_loss("kl3", **short, max_len=3)
+    per_token = tc.compute_token_loss("kl3", **short)[0].loss
+    torch.testing.assert_close(loss, per_token.sum() / (2 * 3))  # / (2 sequences x L_max 3), not x the longest (2)
+
+
+@pytest.mark.parametrize("aggregation,unused", [
+    ("dr_grpo", {"num_tokens": 6}), ("token_mean", {"num_sequences": 2}), ("token_mean", {"max_len": 3}),
+    ("seq_mean_token_mean", {"max_len": 3}), ("seq_mean_token_sum", {"num_tokens": 6}),
+])
+def test_a_normaliser_the_aggregation_does_not_use_is_refused(aggregation, unused):
+    needed = {"max_len": 3} if aggregation == "dr_grpo" else {}
+    (name, value), = unused.items()
+    with pytest.raises(ValueError, match=f"{name}={value} is .*aggregation='{aggregation}' does not use it"):
+        tc.compute_policy_loss("kl3", **inputs(), aggregation=aggregation, **needed, **unused)
+
+
+def test_low_precision_log_probs_are_computed_in_float32(device):
+    """bfloat16 log-probs: the ratio, the clip decisions and the loss are those of float32 (64 x 256 tokens, a ratio
+    spread across the clip bounds); the gradient still reaches the bfloat16 tensor."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(64, 256, generator=g) * 3 - 0.05
+    logp = (old + 0.15 * torch.randn(64, 256, generator=g)).clamp(max=0.0).to(device, torch.bfloat16)
+    logp.requires_grad_(True)
+    batch = {"old_logp": old.to(device, torch.bfloat16), "advantages": torch.randn(64, generator=g).to(device),
+             "mask": torch.ones(64, 256, device=device), "aggregation": "token_mean"}
+    low, low_metrics = tc.compute_policy_loss("clip", logp=logp, **batch)
+    high, high_metrics = tc.compute_policy_loss("clip", logp=logp.detach().float(), **batch)
+    assert low.dtype == torch.float32 and low.item() == high.item()
+    assert low_metrics["clip_frac"] == high_metrics["clip_frac"] > 0
+    low.backward()
+    assert logp.grad.dtype == torch.bfloat16 and logp.grad.abs().sum() > 0

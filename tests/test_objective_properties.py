@@ -48,11 +48,19 @@ def batches(draw):
     return t(logp), t(old), t(adv), torch.tensor(mask), t(entropy), t(full_kl)
 
 
+def normalisers(aggregation, max_len, num_tokens=None, num_sequences=None):
+    """The normalisers `aggregation` divides by (compute_policy_loss refuses the others)."""
+    if aggregation == "token_mean":
+        return {} if num_tokens is None else {"num_tokens": num_tokens}
+    given = {"max_len": max_len} if aggregation == "dr_grpo" else {}
+    return given | ({} if num_sequences is None else {"num_sequences": num_sequences})
+
+
 def run(objective, logp, old, adv, mask, entropy, full_kl, aggregation="dr_grpo", max_len=16):
     logp = logp.clone().requires_grad_(True)
     loss, metrics = tc.compute_policy_loss(objective, logp=logp, old_logp=old, advantages=adv, mask=mask,
-                                           aggregation=aggregation, max_len=max_len, entropy=entropy,
-                                           full_kl=full_kl)
+                                           aggregation=aggregation, **normalisers(aggregation, max_len),
+                                           entropy=entropy, full_kl=full_kl)
     loss.backward()
     return loss.detach(), logp.grad, metrics
 
@@ -116,8 +124,8 @@ def test_micro_batches_with_global_denominators_sum_to_the_big_batch(data, split
             continue
         part = logp[idx].clone().requires_grad_(True)
         part_loss, _ = tc.compute_policy_loss(objective, logp=part, old_logp=old[idx], advantages=adv[idx],
-                                              mask=mask[idx], aggregation=aggregation, max_len=16,
-                                              num_tokens=mask.sum(), num_sequences=logp.shape[0])
+                                              mask=mask[idx], aggregation=aggregation,
+                                              **normalisers(aggregation, 16, mask.sum(), logp.shape[0]))
         part_loss.backward()
         total, grads = total + part_loss.detach(), grads + [part.grad]
     torch.testing.assert_close(torch.as_tensor(total, dtype=loss.dtype), loss, rtol=1e-10, atol=1e-12)

@@ -100,7 +100,8 @@ def test_no_valid_token_on_any_process_gives_no_extremes():
 def test_compute_policy_loss_reduces_its_metrics_when_first_read():
     logp, old, adv, mask = random_batch(2)
     logp.requires_grad_(True)
-    loss, metrics = tc.compute_policy_loss("kl3", logp=logp, old_logp=old, advantages=adv, mask=mask)
+    loss, metrics = tc.compute_policy_loss("kl3", logp=logp, old_logp=old, advantages=adv, mask=mask,
+                                           aggregation="token_mean")
     assert isinstance(metrics, PolicyMetrics)
     kept = [t for part in metrics._inputs for t in vars(part).values() if torch.is_tensor(t)]
     assert kept and not any(t.requires_grad for t in kept)  # detached: the autograd graph is not kept alive

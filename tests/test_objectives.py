@@ -231,7 +231,7 @@ def test_policy_metrics_count_clipped_tokens():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     old = torch.full_like(w, -1.0)
     _, metrics = tc.compute_policy_loss("clip", logp=old + w.log(), old_logp=old, advantages=adv,
-                                        mask=torch.ones_like(w))
+                                        mask=torch.ones_like(w), aggregation="token_mean")
     assert metrics["clip_frac_high"] == pytest.approx(1 / 8)  # w = 1.6 with A > 0
     assert metrics["clip_frac_low"] == pytest.approx(1 / 8)  # w = 0.5 with A < 0
     assert metrics["ratio_max"] == pytest.approx(1.6) and metrics["ratio_min"] == pytest.approx(0.5)
@@ -301,10 +301,11 @@ def test_atr_seq_autograd_matches_finite_differences(aggregation):
     """With one advantage per sequence the GSPO-token form's gradient is the true gradient of its value."""
     logp, old, adv, mask = _separated_sequences(7, 0.01)
     objective = get_objective("atr_seq", delta=0.01)
+    max_len = {"max_len": logp.shape[1]} if aggregation == "dr_grpo" else {}
 
     def loss_of(x):
         return tc.compute_policy_loss(objective, logp=x, old_logp=old, advantages=adv, mask=mask,
-                                      aggregation=aggregation, max_len=x.shape[1])[0]
+                                      aggregation=aggregation, **max_len)[0]
 
     assert torch.autograd.gradcheck(loss_of, (logp.clone().requires_grad_(True),), eps=1e-7, atol=1e-9, rtol=1e-6)
 
@@ -378,7 +379,8 @@ def test_divergence_bounds_are_solved_once_per_objective(name, delta, monkeypatc
     monkeypatch.setattr(B, solver, lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
     objective = get_objective(name, delta=delta)
     logp, old, adv, mask, _, _ = random_inputs(0)
-    losses = [tc.compute_policy_loss(objective, logp=logp, old_logp=old, advantages=adv, mask=mask)[0]
+    losses = [tc.compute_policy_loss(objective, logp=logp, old_logp=old, advantages=adv, mask=mask,
+                                     aggregation="token_mean")[0]
               for _ in range(3)]
     assert len(calls) == 1, calls
     assert losses[0].item() == losses[2].item()

@@ -22,10 +22,15 @@ from trustclip.objectives.bounds import dppo_tv_bounds
 DELTA_RANGES = {"tv": (0.02, 0.3), "kl": (0.005, 0.1)}
 
 
+def dr_grpo_length(aggregation, logp):
+    """dr_grpo's constant L_max (the padded width); other aggregations take none (compute_policy_loss refuses it)."""
+    return {"max_len": logp.shape[1]} if aggregation == "dr_grpo" else {}
+
+
 def loss_and_grad(objective, logp, old, adv, mask, aggregation="token_mean"):
     logp = logp.clone().requires_grad_(True)
     loss, metrics = tc.compute_policy_loss(objective, logp=logp, old_logp=old, advantages=adv, mask=mask,
-                                           aggregation=aggregation, max_len=logp.shape[1])
+                                           aggregation=aggregation, **dr_grpo_length(aggregation, logp))
     loss.backward()
     return loss.detach(), logp.grad, metrics
 
@@ -134,7 +139,7 @@ def test_autograd_matches_finite_differences(name, aggregation):
 
     def loss_of(x):
         return tc.compute_policy_loss(objective, logp=x, old_logp=old, advantages=adv, mask=mask,
-                                      aggregation=aggregation, max_len=x.shape[1])[0]
+                                      aggregation=aggregation, **dr_grpo_length(aggregation, x))[0]
 
     assert torch.autograd.gradcheck(loss_of, (logp.clone().requires_grad_(True),), eps=1e-7, atol=1e-9, rtol=1e-6)
 

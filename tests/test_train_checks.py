@@ -566,3 +566,38 @@ def test_resume_takes_only_checkpoint_n_folders(tmp_path):
     said: list[str] = []
     assert last_checkpoint(tmp_path, said.append) is None
     assert said == []
+
+
+@pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
+@pytest.mark.parametrize("where", ["data.eval", "data.train"])
+def test_prompts_too_long_for_the_model_are_refused_before_any_work(where, print_config, tiny_model_path, tmp_path,
+                                                                     capsys):
+    """The tiny model has 256 positions: a 300-character prompt plus the generated tokens cannot fit (transformers
+    would only warn). The run refuses before any model is loaded; --print-config flags it too."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"id": "short", "problem": "1+1?", "answer": "2", "solution": "2"},
+            {"id": "long", "problem": "Compute 1+1. " * 23, "answer": "2", "solution": "2"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = f"data.eval=['long={data}']" if where == "data.eval" else f"data.train={data}"
+    out = tmp_path / "run"
+    argv = ["train", *tiny(tiny_model_path), "--output-dir", str(out), "--set", source, "--stages", "rl,eval"]
+    code, stdout, err = run_cli(argv + ["--print-config"] * print_config, capsys)
+    option = "eval.max_new_tokens=12" if where == "data.eval" else "rl.max_completion_length=12"
+    assert code != 0 and "(id 'long') has" in err and f"with {option} exceed the 256 positions of model" in err, err
+    assert not out.exists()
+
+
+def test_the_prompt_length_check_reads_an_adapters_tokenizer_from_its_base_when_it_has_none(tiny_model_path,
+                                                                                            tmp_path):
+    """A LoRA adapter folder saved without a tokenizer (training loads its base's): the base's positions and
+    tokenizer decide, and the message names the adapter."""
+    from trustclip.train.checks import check_generation_room
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tiny_model_path)}))
+    rows = [{"id": "short", "problem": "1+1?"}, {"id": "long", "problem": "Compute 1+1. " * 23}]
+    check_generation_room(str(adapter), [("data.train", rows[:1], 12, "rl.max_completion_length")], "auto", None)
+    with pytest.raises(ValueError, match=rf"\(id 'long'\) has \d+ tokens, which with rl.max_completion_length=12 "
+                                         rf"exceed the 256 positions of model {adapter}"):
+        check_generation_room(str(adapter), [("data.train", rows, 12, "rl.max_completion_length")], "auto", None)

@@ -290,7 +290,8 @@ for aggregation, skip in [(a, False) for a in ("dr_grpo", "token_mean", "seq_mea
     logps, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, att, 6)
     ref, _ = compute_policy_loss(get_objective("kl3", delta=0.02), logp=logps[keep],
                                  old_logp=batch["old_per_token_logps"][keep], advantages=batch["advantages"][keep],
-                                 mask=mask[keep], aggregation=aggregation, max_len=6)
+                                 mask=mask[keep], aggregation=aggregation,
+                                 **({"max_len": 6} if aggregation == "dr_grpo" else {}))
     ref.backward()
     expected = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
     # this rank's half through the trainer, gradients averaged over processes as DDP does

@@ -245,7 +245,6 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
     ({"loss_type": "bnpo"}, "loss_type='bnpo' normalises by the tokens of each micro-batch"),
     ({"loss_type": "nonsense"}, "loss_type='nonsense' is not a TRL loss type"),
     ({"loss_type": "vespo"}, "no objective computing TRL's vespo loss"),
-    ({"vespo_k_pos": 3.0}, "no objective computing TRL's dapo loss"),
     ({"objective": "clip", "loss_type": "cispo", "epsilon": 0.9}, "TRL's cispo caps the ratio w at epsilon_high"),
     ({"objective": "clip", "loss_type": "cispo", "epsilon_high": 5.0}, "not objective='clip'"),
     ({"objective": "kl3", "epsilon": 0.3}, "which are objective 'clip' {'epsilon': 0.3} in trustclip, not "
@@ -264,6 +263,24 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
 def test_issue27_item1_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make_config(tmp_path, **options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"vespo_k_pos": 2.0}, "TRL's loss_type='dapo', TRL's default, does not use vespo_k_pos (only "
+                           "loss_type='vespo' does)"),
+    ({"loss_type": "grpo", "sapo_temperature_neg": 2.0}, "does not use sapo_temperature_neg (only loss_type='sapo'"),
+])
+def test_an_option_of_another_trl_loss_type_is_refused_naming_that_loss_type(tmp_path, options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_config(tmp_path, **options)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan")])
+def test_a_temperature_that_cannot_sample_is_refused_with_the_config(tmp_path, temperature):
+    """TRL accepts temperature=0 and fails at the first generation; the config refuses it."""
+    with pytest.raises(ValueError, match=re.escape(f"temperature={temperature!r} is invalid: must be a finite number "
+                                                   "> 0")):
+        make_config(tmp_path, temperature=temperature)
 
 
 def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
@@ -291,7 +308,8 @@ def test_star_import_of_the_trainers_gives_the_lazy_names():
 
 def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
     """The documented path TrustClipGRPOTrainer(model, args=GRPOConfig(...), objective=...) trains (it crashed at the
-    first step), with trustclip's fields at their defaults; its checks run when the trainer is built."""
+    first step), with trustclip's own fields at their defaults and TRL's loss_type / scale_rewards as TRL means them
+    (its defaults: token_mean, grpo); its checks run when the trainer is built."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -305,8 +323,8 @@ def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny,
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
     trainer = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),
                                    train_dataset=dataset, processing_class=tokenizer, objective="clip")
-    assert (trainer.objective.name, trainer.aggregation, trainer.advantage_estimator) == ("clip", "dr_grpo", "dr_grpo")
-    assert trainer.args.truncated_reward is None and trainer.args.scale_rewards == "none"
+    assert (trainer.objective.name, trainer.aggregation, trainer.advantage_estimator) == ("clip", "token_mean", "grpo")
+    assert trainer.args.truncated_reward is None and trainer.args.scale_rewards == "group"
     trainer.train()
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h]
     for bad, message in (({"importance_sampling_level": "sequence"}, "importance_sampling_level='sequence'"),
@@ -318,6 +336,153 @@ def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny,
                                         args=GRPOConfig(**common | {"epsilon": 0.3}), train_dataset=dataset,
                                         processing_class=tokenizer, objective="clip")
     assert dict(with_epsilon.objective.hparams) == {"epsilon": 0.3}  # a changed TRL option is honoured
+
+
+# Each TRL setting -> the trustclip settings it decides, whichever config class carries it.
+TRL_SETTINGS = [
+    ({"scale_rewards": "group"}, {"advantage_estimator": "grpo"}),
+    ({"scale_rewards": "none"}, {"advantage_estimator": "dr_grpo"}),
+    ({"loss_type": "dapo"}, {"aggregation": "token_mean"}),
+    ({"loss_type": "grpo"}, {"aggregation": "seq_mean_token_mean"}),
+    ({"loss_type": "dr_grpo", "scale_rewards": "group"}, {"aggregation": "dr_grpo", "advantage_estimator": "grpo"}),
+]
+
+
+@pytest.mark.parametrize(("settings", "decided"), TRL_SETTINGS)
+def test_explicit_trl_settings_mean_the_same_in_either_config_class(tmp_path, settings, decided):
+    """GRPOConfig(scale_rewards='group') trained unscaled Dr.GRPO advantages and GRPOConfig(loss_type='dapo') the
+    dr_grpo normaliser (a value equal to TRL's default was read as not given); TrustClipGRPOConfig refused the
+    latter with objective='atr'. Both now mean what TRL means, next to the objective that replaces TRL's clip."""
+    from trl import GRPOConfig
+
+    from trustclip.trainers import TrustClipGRPOConfig
+
+    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True, bf16=False)
+    plain = TrustClipGRPOConfig.from_grpo_config(GRPOConfig(**common, **settings), objective="atr")
+    ours = TrustClipGRPOConfig(**common, objective="atr", **settings)
+    for config in (plain, ours):
+        assert config.objective == "atr" and {k: getattr(config, k) for k in decided} == decided
+
+
+def test_a_plain_grpo_config_and_a_trustclip_config_train_alike(tiny, tmp_path):
+    """The same TRL settings through either config class: the same objective, normaliser, advantage estimator and
+    reward scaling, and the same loss and gradient on a batch; the start says what they became."""
+    import logging
+
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from trustclip.trainers import TrustClipGRPOTrainer
+
+    model, tokenizer = tiny
+    common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                  num_iterations=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                  **checkpointing_off(), loss_type="grpo", scale_rewards="group")
+    dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
+    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    with _records(logger) as records:
+        plain = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),
+                                     train_dataset=dataset, processing_class=tokenizer, objective="atr")
+    ours = make_trainer(tiny, tmp_path / "ours", objective="atr", **common)
+    for trainer in (plain, ours):
+        assert (trainer.objective.name, trainer.aggregation, trainer.advantage_estimator, trainer.args.scale_rewards
+                ) == ("kl3", "seq_mean_token_mean", "grpo", "group")
+    inputs = _with_old_logps(plain, _batch(tokenizer))
+    assert_same_loss_and_grads(plain, ours, inputs)
+    (line,) = [r for r in records if r.getMessage().startswith("trustclip trains")]
+    assert line.levelno == logging.WARNING and "\n" not in line.getMessage()
+    assert "aggregation='seq_mean_token_mean' (from TRL's loss_type='grpo')" in line.getMessage()
+    assert "advantage_estimator='grpo' (from TRL's scale_rewards='group')" in line.getMessage()
+
+
+def test_the_start_says_when_trustclips_defaults_replace_trls(tiny, tmp_path):
+    """A TRL user's script switched to TrustClipGRPOConfig(objective='atr') trains Dr.GRPO, not TRL's token-mean loss
+    on std-scaled advantages: the one start-up line says so."""
+    import logging
+
+    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    with _records(logger) as records:
+        make_trainer(tiny, tmp_path, objective="atr")
+    (line,) = [r.getMessage() for r in records if r.getMessage().startswith("trustclip trains")]
+    assert "objective='kl3' {'delta': 0.07} (given)" in line
+    assert "aggregation='dr_grpo' (trustclip's default, not TRL's default loss_type='dapo' (token_mean))" in line
+    assert "advantage_estimator='dr_grpo' (trustclip's default, not TRL's default scale_rewards='group'" in line
+
+
+class _records:
+    """Every record `logger` emits inside the block (at any level)."""
+
+    def __init__(self, logger):
+        import logging
+
+        self.logger, self.records = logger, []
+        self.handler = logging.Handler()
+        self.handler.emit = self.records.append
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(1)
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+
+
+def test_a_trl_loss_type_keeps_its_normaliser_under_another_objective(tmp_path):
+    """loss_type='grpo' with objective='atr': the objective replaces TRL's clip, loss_type keeps GRPO's per-sequence
+    normaliser; with TRL's clip parameters too, the refusal names the aggregation that keeps it."""
+    config = make_config(tmp_path, objective="atr", loss_type="grpo")
+    assert (config.objective, config.aggregation) == ("atr", "seq_mean_token_mean")
+    with pytest.raises(ValueError, match=re.escape("set aggregation='seq_mean_token_mean' (loss_type's normaliser) "
+                                                   "and objective_kwargs instead of them")):
+        make_config(tmp_path, objective="atr", loss_type="grpo", epsilon=0.3)
+
+
+def test_truncated_reward_replaces_the_weighted_total_and_keeps_each_functions_scores(tiny, tmp_path):
+    """Two reward functions weighted [1, 0.5]: a truncated completion's total reward is truncated_reward (not
+    truncated_reward x 1.5), and each function's logged mean is what it returned."""
+    def first(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def second(completions, **kwargs):
+        return [0.25] * len(completions)
+
+    trainer = make_trainer(tiny, tmp_path, reward=[first, second], reward_weights=[1.0, 0.5], truncated_reward=-1.0,
+                           max_steps=1, max_completion_length=4)
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "reward" in h)
+    cut = logged["completions/clipped_ratio"]
+    assert cut > 0  # 4 new tokens from an untrained model: most completions are cut
+    assert logged["reward"] == pytest.approx(-1.0 * cut + (1.0 + 0.5 * 0.25) * (1 - cut), abs=1e-6)
+    assert logged["rewards/first/mean"] == pytest.approx(1.0) and logged["rewards/second/mean"] == pytest.approx(0.25)
+    assert logged["rewards/first/std"] == pytest.approx(0.0, abs=1e-7)
+    assert list(trainer._logs["rewards"]["second"]) == pytest.approx([0.25] * len(trainer._logs["rewards"]["second"]))
+    with pytest.raises(ValueError, match="multi_objective_aggregation='normalize_then_sum' does not form"):
+        make_config(tmp_path, truncated_reward=0.0, multi_objective_aggregation="normalize_then_sum")
+    with pytest.raises(ValueError, match=re.escape("reward_weights=[0.0, 0.0] make 0 whatever the scores")):
+        make_config(tmp_path, truncated_reward=0.0, reward_weights=[0.0, 0.0])
+
+
+@pytest.mark.parametrize("case", ["dapo", "grpo", "kl3=asymmetric dapo"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_per_sequence_clip_extremes_are_logged_as_trl_logs_them(tiny, tmp_path, case, mode):
+    """TRL's clip_ratio/low_min and clip_ratio/high_max (dashboards built on TRL's names keep working), with TRL's
+    values on the same batch, in training and in evaluation."""
+    objective, kwargs, aggregation, trl_config = TRL_MATCHES[case]
+    ours = make_trainer(tiny, tmp_path / "ours", objective=objective, objective_kwargs=kwargs,
+                        aggregation=aggregation, max_completion_length=6)
+    theirs = _trl_trainer(tiny, tmp_path, **trl_config)
+    inputs = _with_old_logps(theirs, _batch(tiny[1]))
+    for trainer in (ours, theirs):
+        trainer.model.train(mode == "train")
+        trainer.current_gradient_accumulation_steps = 1
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, inputs)
+    for key in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert ours._metrics[mode][key] == pytest.approx(theirs._metrics[mode][key]), key
+    assert ours._metrics[mode]["clip_ratio/high_max"][0] > 0  # some sequence is clipped on this batch
 
 
 # ------------------------------------------------------------------ faithful normalisation
@@ -357,7 +522,8 @@ def test_gradient_accumulation_equals_one_big_batch(tiny, tmp_path, aggregation)
         torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1))
     ref, _ = compute_policy_loss(get_objective("kl3", delta=0.02), logp=logps, old_logp=inputs["old_per_token_logps"],
                                  advantages=inputs["advantages"], mask=inputs["completion_mask"],
-                                 aggregation=aggregation, max_len=6)
+                                 aggregation=aggregation,
+                                 **({"max_len": 6} if aggregation == "dr_grpo" else {}))
     torch.testing.assert_close(ref.detach(), loss_full, rtol=1e-5, atol=1e-7)
 
 

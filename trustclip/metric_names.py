@@ -14,6 +14,10 @@ TRL_NAMES: Mapping[str, str] = {
     "clip_frac_high": "clip_ratio/high_mean",
     "clip_frac": "clip_ratio/region_mean",
 }
+# TRL 1.16's per-sequence extremes of the same clip decisions: over every sequence of every process, the smallest
+# fraction of its valid tokens clipped low / the largest clipped high (the TRL trainer logs them, train and eval).
+TRL_CLIP_LOW_MIN = "clip_ratio/low_min"
+TRL_CLIP_HIGH_MAX = "clip_ratio/high_max"
 # trustclip key -> verl actor metric name with the same meaning. verl's `pg_clipfrac_lower` is the dual-clip
 # fraction (A < 0 and w > c), not low-side ratio clipping.
 VERL_NAMES: Mapping[str, str] = {

@@ -29,11 +29,17 @@ from pathlib import Path
 from trustclip.evaluation.config import EvalArgs
 from trustclip.evaluation.evaluator import evaluate_checkpoints
 from trustclip.evaluation.generation import check_backend
-from trustclip.evaluation.report import format_table, write_report
+from trustclip.evaluation.report import REPORT_FILES, format_table, write_report
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
 from trustclip.rewards import default_verifier
 from trustclip.train import TrainConfig, option_table
-from trustclip.train.checks import check_benchmarks, check_device, check_model, check_writable_dir
+from trustclip.train.checks import (
+    check_benchmarks,
+    check_device,
+    check_generation_room,
+    check_model,
+    check_writable_dir,
+)
 from trustclip.train.config import deep_merge, explicit_settings, field_hint, from_dict, get_dotted, read_run_config
 from trustclip.train.data import load_benchmarks
 from trustclip.train.stages import eval_config, model_dtype
@@ -125,13 +131,20 @@ def run(args: argparse.Namespace) -> int:
         run_dir, models = resolve_run(args)
         config, notes = build_config(args, run_dir)
         check_device(args.device)
-        if args.output is not None:
-            check_writable_dir(args.output, "--output ")
+        output = args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S")
+        check_output(output)
         settings = replace(eval_config(config), top_k=args.top_k, show_progress=not args.no_progress)
         benchmarks = load_benchmarks(config)
+        groups = [(f"benchmark {name!r}", rows, settings.max_new_tokens, "--max-new-tokens")
+                  for name, rows in benchmarks.items()]
+        for model in models:  # every prompt fits each model with the tokens generated after it
+            check_generation_room(_model_path(model, config), groups, settings.prompt_style, settings.system_prompt,
+                                  label=model, trust_remote_code=config.model.trust_remote_code)
     except (ValueError, FileNotFoundError) as err:  # a DataFormatError is a ValueError
         print(f"trustclip eval: error: {err}", file=sys.stderr)
         return 2
+    for note in duplicate_notes(benchmarks):
+        print(f"trustclip eval: warning: {note}", file=sys.stderr)
     if run_dir is not None:
         print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
@@ -143,12 +156,36 @@ def run(args: argparse.Namespace) -> int:
         result.model = name
     meta = {"run": str(run_dir) if run_dir else None, "benchmarks": config.data.eval, "data_seed": config.data.seed,
             "limit": config.data.eval_limit, "overridden": notes}
-    paths = write_report(results, args.output or Path("outputs") / time.strftime("eval-%Y%m%d-%H%M%S"), meta=meta)
+    paths = write_report(results, output, meta=meta)
     print(format_table(results))
     stats = default_verifier().stats
     print(f"verification: {stats.timeouts} timeouts, {stats.errors} errors")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def check_output(output: Path) -> None:
+    """--output is a folder that can be written and holds no earlier evaluation (it would be overwritten)."""
+    check_writable_dir(output, "--output ")
+    if earlier := [name for name in REPORT_FILES if (output / name).exists()]:
+        raise ValueError(f"--output {output} already holds an evaluation ({', '.join(earlier)}); give another folder "
+                         "(or remove them) to keep both")
+
+
+def duplicate_notes(benchmarks: dict[str, list[dict]]) -> list[str]:
+    """One note per benchmark that holds a problem more than once: each copy counts as a problem in Mean@K and
+    Pass@K, weighting that problem more."""
+    notes = []
+    for name, rows in benchmarks.items():
+        seen: dict[str, int] = {}
+        for row in rows:
+            key = " ".join(str(row["problem"]).split())
+            seen[key] = seen.get(key, 0) + 1
+        if extra := sum(count - 1 for count in seen.values()):
+            problems = sum(count > 1 for count in seen.values())
+            notes.append(f"benchmark {name!r} holds {problems} problem(s) more than once ({extra} extra row(s) of "
+                         f"{len(rows)}); each copy is scored as a separate problem in Mean@K / Pass@K")
+    return notes
 
 
 def _model_path(name: str, config: TrainConfig) -> str:

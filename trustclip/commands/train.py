@@ -9,6 +9,7 @@ import textwrap
 import yaml
 
 from trustclip.train import TrainConfig, check_run, option_table, run_pipeline
+from trustclip.train.checks import local_sources, run_generation_room
 from trustclip.train.config import STAGES, explicit_settings, from_dict, resume_config
 
 
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         check_run(config)
+        if args.print_config and local_sources(config):  # the prompts are known: would they fit the model?
+            _check_prompts(config)
     except (ValueError, FileNotFoundError) as err:
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 2
@@ -80,3 +83,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_prompts(config: TrainConfig) -> None:
+    """The run's own prompt-length check (`run_pipeline` runs it once the rows are read), on local data."""
+    from trustclip.train.data import load_benchmarks
+    from trustclip.train.stages import rl_rows
+
+    run_generation_room(config, rl_rows(config) if "rl" in config.stages else None,
+                        load_benchmarks(config) if config.evaluates else None)

@@ -37,6 +37,9 @@ def format_table(results: Sequence[EvalResult]) -> str:
     return "\n".join(lines)
 
 
+REPORT_FILES = ("results.json", "results.csv", "results.md", "samples.jsonl")  # what `write_report` writes
+
+
 def write_report(results: Sequence[EvalResult], output_dir: str | Path,
                  meta: dict[str, Any] | None = None) -> dict[str, Path]:
     """Write `results.json`, `results.csv`, `results.md` and `samples.jsonl`; returns their paths. `meta` (e.g.
@@ -45,7 +48,7 @@ def write_report(results: Sequence[EvalResult], output_dir: str | Path,
     out.mkdir(parents=True, exist_ok=True)
     final, best = final_and_best(results)
     cfg = results[-1].config
-    paths = {**{name: out / f"results.{name}" for name in ("json", "csv", "md")}, "samples": out / "samples.jsonl"}
+    paths = dict(zip(("json", "csv", "md", "samples"), (out / name for name in REPORT_FILES), strict=True))
     payload = {"config": asdict(cfg), "seed": cfg.seed, "meta": meta or {},
                "checkpoints": [r.to_dict() for r in results], "final": final, "best": best}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")

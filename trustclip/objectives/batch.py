@@ -78,6 +78,10 @@ def make_batch(
             raise ValueError(f"extra input {name!r} has shape {_describe(x)}, expected {tuple(shape)}")
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"advantages must be a tensor of shape (B,) or (B, T), got {_describe(advantages)}")
+    for name, x in (("old_logp", old_logp), ("advantages", advantages), ("mask", mask), *extras.items()):
+        if x.device != logp.device:  # torch's own error would name no argument
+            raise ValueError(f"{name} is on device {x.device}, logp on {logp.device}: every input must be on "
+                             "logp's device")
     if advantages.dim() == 1 and advantages.shape[0] == shape[0]:
         advantages = advantages.unsqueeze(1)  # per sequence: (B, 1), which broadcasts against (B, T)
     elif advantages.shape not in (shape, (shape[0], 1)):

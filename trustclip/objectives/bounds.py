@@ -110,28 +110,51 @@ def kl1_bounds(delta: float, two_sided: bool = False) -> tuple[float, float]:
     return math.exp(-delta), (math.exp(delta) if two_sided and delta < 709.0 else math.inf)
 
 
-def divergence_bounds(divergence: Callable[[float], float], delta: float) -> tuple[float, float]:
-    """Interval {w > 0 : D(w) <= delta} for any D convex in w with D(1) = 0, found with brentq.
+DIVERGENCE_GRID = np.unique(np.concatenate([np.geomspace(1e-12, 1e6, 181), np.linspace(0.5, 1.5, 101), [1.0]]))
+NEGATIVE_TOLERANCE = 1e-12  # float64 round-off of a divergence that is 0
 
-    A side where D never exceeds delta is unbounded: the low end becomes 0, the high end inf. A D that is NaN
-    anywhere on [1e-12, 1e6] is rejected: the constraint would silently hold nowhere (or everywhere) there.
+
+def divergence_bounds(divergence: Callable[[float], float], delta: float) -> tuple[float, float]:
+    """Interval {w > 0 : D(w) <= delta} for a divergence D of the ratio (D(1) = 0, D >= 0, convex in w), found with
+    brentq from the first grid points on each side of 1 where D exceeds delta.
+
+    What can be checked is, on `DIVERGENCE_GRID` (1e-12 to 1e6, denser near 1): D(1) = 0, D >= 0, D a number (or +inf)
+    everywhere, and the interval being the whole feasible set, i.e. no grid point beyond it with D <= delta again (a
+    non-convex D, whose sublevel set is not an interval, is refused rather than given wrong bounds). A side where D
+    never exceeds delta is unbounded: the low end becomes 0, the high end inf.
     """
     delta = check_delta(delta)
-    w_min, w_max = 1e-12, 1e6
     d1 = float(divergence(1.0))
-    if not abs(d1) <= 1e-12:  # also catches NaN
+    if not abs(d1) <= NEGATIVE_TOLERANCE:  # also catches NaN
         raise ValueError(f"divergence must be 0 at w = 1 (got D(1) = {d1}); is it a divergence of the ratio?")
-    for w in np.geomspace(w_min, w_max, 181):
-        value = float(divergence(float(w)))
+    grid = DIVERGENCE_GRID
+    values = np.array([float(divergence(float(w))) for w in grid])
+    for w, value in zip(grid, values, strict=True):
         if math.isnan(value) or value == -math.inf:
             raise ValueError(f"divergence is {value} at w = {w:.4g}: it must be a number (or +inf) for every ratio "
-                             f"w in [{w_min:g}, {w_max:g}]")
+                             f"w in [{grid[0]:g}, {grid[-1]:g}]")
+    if (negative := values < -NEGATIVE_TOLERANCE).any():
+        w = grid[negative][0]
+        raise ValueError(f"divergence is negative at w = {w:.4g} (D = {values[negative][0]:.4g}): a divergence of the "
+                         "ratio is >= 0, with its minimum 0 at w = 1")
 
     def excess(w: float) -> float:
-        return float(divergence(w)) - delta
+        return min(float(divergence(w)) - delta, np.finfo(np.float64).max)  # +inf would stall brentq
 
-    low = brentq(excess, w_min, 1.0, xtol=1e-15) if excess(w_min) > 0 else 0.0
-    high = brentq(excess, 1.0, w_max, xtol=1e-15) if excess(w_max) > 0 else math.inf
+    one = int(np.flatnonzero(grid == 1.0)[0])
+    above = values > delta
+    right = next((i for i in range(one, len(grid)) if above[i]), None)
+    left = next((i for i in range(one, -1, -1) if above[i]), None)
+    low = 0.0 if left is None else brentq(excess, grid[left], grid[left + 1], xtol=1e-15)
+    high = math.inf if right is None else brentq(excess, grid[right - 1], grid[right], xtol=1e-15)
+    stray = ~above & ((grid < low) | (grid > high))
+    if stray.any():
+        w = grid[stray][0]
+        raise ValueError(
+            f"divergence: {{w : D(w) <= {delta:g}}} is not an interval, so it has no ratio bounds: D leaves it at "
+            f"[{low:.4g}, {high:.4g}] and is back below delta at w = {w:.4g} (D = {values[stray][0]:.4g}). Ratio "
+            "bounds need a D convex in w; for any other D use DivergenceConstraint(name, D, delta) without bounds, "
+            "whose per-token test D(w) <= delta is exact")
     return float(low), float(high)
 
 

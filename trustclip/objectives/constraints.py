@@ -107,7 +107,8 @@ def _kl_constraint(kind: str, delta: float, **options) -> DivergenceConstraint:
 
 
 def custom_divergence(divergence: Callable, delta: float, name: str = "custom") -> DivergenceConstraint:
-    """A user divergence of w, convex with D(1) = 0: bounds are root-found once (float64, brentq)."""
+    """A user divergence of w (D(1) = 0, D >= 0, convex in w): bounds are root-found once (float64, brentq), after
+    checking on a grid what can be checked (`bounds.divergence_bounds`); a D that fails is refused (ValueError)."""
 
     def scalar(w: float) -> float:
         return float(divergence(torch.tensor(w, dtype=torch.float64)))

@@ -11,6 +11,7 @@ from trustclip.objectives.statistics import PolicyMetrics
 
 EXTRA_INPUTS = ("entropy", "full_kl")
 NONNEGATIVE_INPUTS = ("entropy", "full_kl", "token_weights")  # see batch.NONNEGATIVE_TOLERANCE
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # log-probs in these are upcast to float32 (the trainer's precision)
 
 
 def compute_token_loss(
@@ -26,9 +27,14 @@ def compute_token_loss(
     """Validate inputs and return the objective's per-token loss (zero on padding) and the batch.
 
     `token_weights` (B, T) multiplies the per-token loss (e.g. rollout importance-sampling
-    corrections); extras are (B, T) tensors some objectives need: `entropy`, `full_kl`.
+    corrections); extras are (B, T) tensors some objectives need: `entropy`, `full_kl`. bfloat16 / float16 log-probs
+    are upcast: the ratio, the constraint's decisions and the loss are computed in float32.
     """
     objective = get_objective(objective)
+    if isinstance(logp, torch.Tensor) and logp.dtype in LOW_PRECISION:
+        # exp(logp - old_logp) and its clip decisions in bfloat16 are off by ~1% (flipping decisions near a bound);
+        # the upcast is differentiable, so the gradient still reaches the caller's low-precision tensor
+        logp = logp.float()
     unknown = set(extra) - set(EXTRA_INPUTS)
     if unknown:
         raise ValueError(f"unknown extra input(s) {sorted(unknown)}; valid: {', '.join(EXTRA_INPUTS)}")
@@ -53,6 +59,22 @@ def _check_global_count(name: str, value: float, local: float, what: str) -> Non
                          "or None for this batch alone")
 
 
+def _check_normalisers(aggregation: str, max_len: int | None, num_tokens: float | None,
+                       num_sequences: float | None) -> None:
+    """Each normaliser only where the aggregation divides by it: one given elsewhere would be silently ignored, and
+    dr_grpo's L_max must be a constant (the batch's longest response changes from batch to batch: not Dr.GRPO)."""
+    if aggregation == "dr_grpo" and max_len is None:
+        raise ValueError("aggregation='dr_grpo' divides by a constant L_max: pass max_len (the generation limit, e.g. "
+                         "max_completion_length); without it the normaliser would be this batch's longest response, "
+                         "which is not Dr.GRPO's (or choose another aggregation, e.g. 'token_mean')")
+    unused = {"max_len": (max_len, aggregation != "dr_grpo", "dr_grpo's L_max"),
+              "num_tokens": (num_tokens, aggregation != "token_mean", "token_mean's normaliser"),
+              "num_sequences": (num_sequences, aggregation == "token_mean", "the per-sequence aggregations' count")}
+    for name, (value, ignored, what) in unused.items():
+        if value is not None and ignored:
+            raise ValueError(f"{name}={value!r} is {what}; aggregation={aggregation!r} does not use it: drop it")
+
+
 def compute_policy_loss(
     objective: str | Objective,
     *,
@@ -71,14 +93,18 @@ def compute_policy_loss(
     """Policy loss of `objective` on one batch, and its metrics (`policy_metrics`, a mapping of floats reduced when
     first read).
 
-    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation`: one of AGGREGATIONS (dr_grpo's L_max is
-    `max_len`). `num_tokens` / `num_sequences`: the global counts of the optimizer step (every micro-batch on every
-    process), for a gradient however the step is split (`trustclip.objectives.aggregation`); a count below this
-    batch's is an error, except `num_sequences` with seq_mean_token_sum, the normaliser of a sum (1: verl's
-    token-sum). `num_processes`: with DDP, which averages the processes' gradients, each returns num_processes times
-    its share, so that the average is the one-big-batch gradient. Raises ValueError on bad input.
+    logp, old_logp, mask: (B, T); advantages: (B,) or (B, T). `aggregation`: one of AGGREGATIONS; dr_grpo needs
+    its constant L_max, `max_len` (the generation limit). `num_tokens` / `num_sequences`: the global counts of the
+    optimizer step (every micro-batch on every process), for a gradient however the step is split
+    (`trustclip.objectives.aggregation`); a count below this batch's is an error, except `num_sequences` with
+    seq_mean_token_sum, the normaliser of a sum (1: verl's token-sum). `num_processes`: with DDP, which averages the
+    processes' gradients, each returns num_processes times its share, so that the average is the one-big-batch
+    gradient. A normaliser the aggregation does not use (max_len but with dr_grpo, num_tokens but with token_mean,
+    num_sequences with token_mean) is an error, not silently ignored. bfloat16 / float16 log-probs are computed in
+    float32 (`compute_token_loss`). Raises ValueError on bad input.
     """
     check_aggregation(aggregation)
+    _check_normalisers(aggregation, max_len, num_tokens, num_sequences)
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes must be an integer >= 1, got {num_processes!r}")
     out, batch = compute_token_loss(objective, logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,

@@ -21,8 +21,17 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK,
 
 from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, parse_benchmark_spec, select_rows
 from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
+from trustclip.data.templates import format_prompt
 from trustclip.files import read_json
-from trustclip.models import TINY_MODEL_NAME, TinyModelConfig, check_model_name, is_saved_model
+from trustclip.models import (
+    TINY_MODEL_NAME,
+    TinyModelConfig,
+    build_tiny_model,
+    check_model_name,
+    is_saved_model,
+    load_tokenizer,
+    resolve_model_name,
+)
 from trustclip.precision import resolve_bf16
 from trustclip.train.config import TrainConfig, changed_settings, read_run_config
 from trustclip.train.data import load_rows
@@ -108,6 +117,12 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
             raise ValueError(f"{option}={name!r} is a file; give the model's folder (the one with config.json)")
         if not is_saved_model(path):
             raise ValueError(f"{option}={name!r} holds no saved model (no config.json or adapter_config.json)")
+        if base := adapter_base(path):
+            try:
+                check_model(base, "base_model_name_or_path")
+            except (ValueError, FileNotFoundError) as err:
+                raise FileNotFoundError(f"{option}={name!r} is a LoRA adapter, and this adapter's base model {base} "
+                                        f"is missing ({err}); restore it, or give a merged model") from None
         return
     if _looks_local(name):
         raise FileNotFoundError(f"{option}={name!r}: no such folder")
@@ -115,6 +130,87 @@ def check_model(name: str, option: str, tiny: dict[str, Any] | None = None) -> N
     if is_offline_mode() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise FileNotFoundError(f"{option}={name!r}: no such local folder, and not in the hub cache (HF_HUB_OFFLINE "
                                 "is set, so nothing is downloaded)")
+
+
+def adapter_base(path: Path) -> str | None:
+    """The base model a LoRA adapter folder (adapter_config.json, no config.json) was trained on; None otherwise."""
+    if (path / "config.json").is_file() or not (path / "adapter_config.json").is_file():
+        return None
+    config = read_json(path / "adapter_config.json")
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{path / 'adapter_config.json'} names no base model (base_model_name_or_path)")
+    return base
+
+
+def model_positions(path: str, trust_remote_code: bool = False) -> int | None:
+    """The most tokens (prompt + completion) the model at `path` (a folder or hub id; an adapter: its base) attends
+    to, from its config; None when the config declares no limit."""
+    from transformers import AutoConfig
+
+    base = adapter_base(Path(path)) if Path(path).is_dir() else None
+    config = AutoConfig.from_pretrained(resolve_model_name(base or path), trust_remote_code=trust_remote_code)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limits = [getattr(config, key, None) for key in ("max_position_embeddings", "n_positions", "max_sequence_length")]
+    return next((value for value in limits if isinstance(value, int) and value > 0), None)
+
+
+def check_generation_room(model: str, groups: list[tuple[str, list[dict[str, Any]], int, str]], prompt_style: str,
+                          system_prompt: str | None, label: str | None = None, trust_remote_code: bool = False) -> None:
+    """ValueError, before any model is loaded, when a prompt plus what is generated after it would not fit in the
+    model's positions (transformers would only warn, and the completions past them are garbage). `groups`: (what,
+    rows, new tokens, the option that sets them); the prompts are written as generation writes them. `label`: the
+    model's name in the message (default `model`); `trust_remote_code` as the model will be loaded."""
+    path = resolve_model_name(model)
+    positions = model_positions(path, trust_remote_code)
+    if positions is None:
+        return
+    tokenizer = load_tokenizer(_tokenizer_folder(path), trust_remote_code=trust_remote_code)
+    for what, rows, new_tokens, option in groups:
+        prompts = [format_prompt(r["problem"], tokenizer, prompt_style, system_prompt) for r in rows]
+        if not prompts:
+            continue
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False, verbose=False)["input_ids"]]
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        room = positions - lengths[longest]
+        if new_tokens > room:
+            fix = f"lower {option} to {room}, " if room > 0 else ""
+            raise ValueError(
+                f"{what}: prompt {longest} (id {rows[longest].get('id')!r}) has {lengths[longest]} tokens, which with "
+                f"{option}={new_tokens} exceed the {positions} positions of model {label or model}; {fix}shorten or "
+                "filter the prompts, or use a model with more positions")
+
+
+def _tokenizer_folder(path: str) -> str:
+    """Where the model at `path` keeps its tokenizer: an adapter folder saved without one uses its base model's."""
+    folder = Path(path)
+    if folder.is_dir() and not (folder / "tokenizer_config.json").is_file() and (base := adapter_base(folder)):
+        return resolve_model_name(base)
+    return path
+
+
+def run_generation_room(config: TrainConfig, rl_rows: list[dict[str, Any]] | None,
+                        benchmarks: dict[str, list[dict[str, Any]]] | None) -> None:
+    """`check_generation_room` for a run: its RL prompts with rl.max_completion_length, its benchmarks with
+    eval.max_new_tokens, on the model it starts from (SFT keeps its positions and tokenizer)."""
+    name = config.model.name_or_path
+    model = str(build_tiny_model(**config.model.tiny)) if name == TINY_MODEL_NAME else name
+    groups = [("data.train", rl_rows or [], config.rl.max_completion_length, "rl.max_completion_length")]
+    groups += [(f"benchmark {bench!r}", rows, config.eval.max_new_tokens, "eval.max_new_tokens")
+               for bench, rows in (benchmarks or {}).items()]
+    check_generation_room(model, groups, config.data.prompt_style, config.data.system_prompt, label=name,
+                          trust_remote_code=config.model.trust_remote_code)
+
+
+def local_sources(config: TrainConfig) -> bool:
+    """Whether the run's model and its RL / benchmark data are on this machine (built-in, local folders and files),
+    so that `--print-config` can read its prompts without downloading anything."""
+    name = config.model.name_or_path
+    sources = [config.data.train] if "rl" in config.stages else []
+    if config.evaluates:
+        sources += [bench.source for spec in config.data.eval for bench in parse_benchmark_spec(spec)]
+    local = [s.startswith(BUILTIN_PREFIX) or Path(s).expanduser().is_file() for s in sources]
+    return all(local) and (name == TINY_MODEL_NAME or Path(name).expanduser().is_dir())
 
 
 def check_source(source: str, option: str) -> None:

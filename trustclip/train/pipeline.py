@@ -35,7 +35,7 @@ from trustclip.evaluation.evaluator import evaluate
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
-from trustclip.train.checks import check_run
+from trustclip.train.checks import check_run, run_generation_room
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
 from trustclip.train.plots import plot_training_curves
@@ -118,6 +118,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     sft_data = sft_rows(config) if "sft" in stages else None
     rl_data = rl_rows(config) if "rl" in stages else None
     benchmarks = load_benchmarks(config) if config.evaluates else None
+    run_generation_room(config, rl_data, benchmarks)  # every prompt fits the model with what is generated after it
     _quiet_libraries()
     run = Run(config, printer)
     prepare_output_dir(run)

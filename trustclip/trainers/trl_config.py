@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from trl import GRPOConfig
@@ -41,9 +42,11 @@ class TrustClipGRPOConfig(GRPOConfig):
                                              "of TRL's scale_rewards if given, else dr_grpo.")
     max_len_normalizer: int | None = option(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
     truncated_reward: float | None = option(None, "Reward of a completion cut at max_completion_length without an "
-                                            "EOS, replacing every reward function's score (0.0: an unfinished answer "
-                                            "is a wrong one, and still gets a gradient, unlike "
-                                            "mask_truncated_completions). Unset: score them as they are.")
+                                            "EOS: its total reward (the reward_weights-weighted sum of the reward "
+                                            "functions' scores), whatever they scored; each function's own metrics "
+                                            "keep what it returned (0.0: an unfinished answer is a wrong one, and "
+                                            "still gets a gradient, unlike mask_truncated_completions). Unset: score "
+                                            "them as they are.")
     skip_zero_advantage: bool = option(False, "Leave completions whose advantage is exactly 0 (with a binary "
                                        "reward, every group whose rewards agree) out of the update: DAPO's dynamic "
                                        "sampling filter (arXiv 2503.14476, Eq. 11) without its re-sampling. They "
@@ -89,15 +92,19 @@ class TrustClipGRPOConfig(GRPOConfig):
     @classmethod
     def from_grpo_config(cls, args: GRPOConfig, objective: str | None = None) -> TrustClipGRPOConfig:
         """A TrustClipGRPOConfig with the settings of a built `GRPOConfig` and trustclip's own fields at their
-        defaults. A TRL loss option left at TRL's default stands for nothing (the objective replaces TRL's loss); one
-        changed from it is mapped or refused, as in TrustClipGRPOConfig."""
+        defaults, meaning what the GRPOConfig means in TRL: its `loss_type` and `scale_rewards` are always read as
+        given (a value equal to TRL's default cannot be told from one given, and a TRL user trains with it either
+        way: loss_type='dapo' is token_mean, scale_rewards='group' the grpo estimator), so the same settings train
+        alike in either config class. The clip's parameters (epsilon, ...) left at TRL's defaults stand for nothing
+        when `objective` replaces TRL's clip; one changed from them is mapped or refused, as in TrustClipGRPOConfig."""
         new = cls.__new__(cls)
         new.__dict__.update(vars(args))  # GRPOConfig.__post_init__ has run: its derived values are kept
         trl_defaults = {f.name: f.default for f in fields(GRPOConfig)}
         for f in fields(cls):
             if f.name not in trl_defaults:
                 setattr(new, f.name, f.default)
-            elif f.name in trl_options.OPTIONS and getattr(args, f.name) == trl_defaults[f.name]:
+            elif f.name in trl_options.OPTIONS and f.name not in trl_options.ALWAYS_MEANT and (
+                    getattr(args, f.name) == trl_defaults[f.name]):
                 setattr(new, f.name, None)
         new.objective = objective
         new._resolve_trustclip_options()
@@ -126,8 +133,8 @@ class TrustClipGRPOConfig(GRPOConfig):
                             ("generation_dtype", ("bfloat16", "float16", "float32", None))):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; valid: {', '.join(map(str, valid))}")
-        if self.truncated_reward is not None and not is_finite_number(self.truncated_reward):
-            raise ValueError(f"truncated_reward={self.truncated_reward!r} must be a finite number (or None)")
+        if self.truncated_reward is not None:
+            _check_truncated_reward(self)
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
         if self.generation_dtype is not None and self.use_vllm:
@@ -149,12 +156,15 @@ class TrustClipGRPOConfig(GRPOConfig):
         given = {name: getattr(self, name) for name in trl_options.OPTIONS if getattr(self, name) is not None}
         trl = trl_options.translate(given)
         loss = trl_options.spelled({k: v for k, v in given.items() if k in trl_options.LOSS_OPTIONS})
+        if trl.default_clip and self.objective is not None:  # the objective replaces TRL's clip, not its normaliser
+            trl.objective, trl.objective_kwargs = None, {}
         if trl.objective is not None and self.objective is not None and (
                 get_objective(self.objective).name != get_objective(trl.objective).name):
+            keep = f"aggregation={trl.aggregation!r} (loss_type's normaliser) and " if trl.aggregation else ""
             raise ValueError(f"{loss}: TRL's loss options, which are objective {trl.objective!r} "
                              f"{trl.objective_kwargs} in trustclip, not objective={self.objective!r}; the objective "
-                             "replaces TRL's loss: drop them and set objective_kwargs (or objective="
-                             f"{trl.objective!r}, objective_kwargs={trl.objective_kwargs})")
+                             f"replaces TRL's loss: set {keep}objective_kwargs instead of them (or "
+                             f"{trl.as_settings()})")
         clash = {k: (v, self.objective_kwargs[k]) for k, v in trl.objective_kwargs.items()
                  if k in self.objective_kwargs and self.objective_kwargs[k] != v}
         if clash:
@@ -166,6 +176,13 @@ class TrustClipGRPOConfig(GRPOConfig):
             if value is not None and mine is not None and mine != value:
                 raise ValueError(f"{flag}={getattr(self, flag)!r} is {name}={value!r} in trustclip, but "
                                  f"{name}={mine!r} is given; drop {flag} and keep {name}")
+        self._setting_sources = {
+            "objective": _source(self.objective, trl.objective, loss),
+            "aggregation": _source(self.aggregation, trl.aggregation, f"loss_type={self.loss_type!r}",
+                                   "not TRL's default loss_type='dapo' (token_mean)"),
+            "advantage_estimator": _source(self.advantage_estimator, trl.advantage_estimator,
+                                           f"scale_rewards={self.scale_rewards!r}",
+                                           "not TRL's default scale_rewards='group' (grpo)")}
         self.objective = self.objective or trl.objective or "kl3"
         self.objective_kwargs = trl.objective_kwargs | self.objective_kwargs
         self.aggregation = self.aggregation or trl.aggregation or "dr_grpo"
@@ -178,11 +195,48 @@ class TrustClipGRPOConfig(GRPOConfig):
         check_delta_control(self, resolve_name(self.objective).name)
 
 
+def _check_truncated_reward(args: TrustClipGRPOConfig) -> None:
+    """truncated_reward replaces the weighted total of the reward functions' scores (TRL's sum_then_normalize)."""
+    value, weights = args.truncated_reward, args.reward_weights
+    if not is_finite_number(value):
+        raise ValueError(f"truncated_reward={value!r} must be a finite number (or None)")
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(f"truncated_reward={value!r} replaces the weighted total reward, which "
+                         f"multi_objective_aggregation={args.multi_objective_aggregation!r} does not form (it "
+                         "normalises each function's scores first): use 'sum_then_normalize', or unset it")
+    if weights is not None and not any(weights):
+        raise ValueError(f"truncated_reward={value!r} replaces the weighted total reward, which reward_weights="
+                         f"{weights} make 0 whatever the scores: give a non-zero weight")
+
+
+def _source(mine: str | None, trl: str | None, trl_options_given: str, unlike_trl: str = "") -> str:
+    """Where a setting came from, for `settings_line`."""
+    if mine is not None:
+        return "given"
+    if trl is not None:
+        return f"from TRL's {trl_options_given}"
+    return "trustclip's default" + (f", {unlike_trl}" if unlike_trl else "")
+
+
+def settings_line(args: TrustClipGRPOConfig, objective: Any) -> tuple[str, bool]:
+    """The one line saying what the config trains (objective, aggregation, advantage estimator, and where each came
+    from), and whether any came from TRL's options or trustclip's defaults rather than being given: a TRL user's
+    settings whose meaning changed (loss_type, scale_rewards, or TRL's defaults that trustclip's replace)."""
+    sources = getattr(args, "_setting_sources", {})
+    values = {"objective": f"{objective.name!r} {dict(objective.hparams)}", "aggregation": repr(args.aggregation),
+              "advantage_estimator": repr(args.advantage_estimator)}
+    parts = [f"{name}={value} ({sources.get(name, 'given')})" for name, value in values.items()]
+    return "trustclip trains " + ", ".join(parts), any(v != "given" for v in sources.values())
+
+
 def check_honoured_trl_options(args: GRPOConfig) -> None:
     """The TRL options the trainer honours whose values TRL does not check (an out-of-range one would silently turn
     its feature off or make it meaningless), and the optional packages TRL options need (TRL imports them only when
     training starts)."""
     quantile, threshold = args.top_entropy_quantile, args.off_policy_mask_threshold
+    # TRL divides the logits by it and samples with it; 0 passes TRL's config and fails at the first generation
+    check(is_finite_number(args.temperature) and args.temperature > 0, "temperature", args.temperature,
+          "a finite number > 0 (the sampling temperature; GRPO needs sampled, diverse completions)")
     check(is_finite_number(quantile) and 0.0 <= quantile <= 1.0, "top_entropy_quantile", quantile,
           "in [0, 1] (the fraction of tokens kept by entropy; 1 keeps all)")
     check(threshold is None or (is_finite_number(threshold) and threshold >= 0.0), "off_policy_mask_threshold",

@@ -12,6 +12,10 @@ refuses it; never silently ignored. Exact correspondences (TRL 1.16's `_compute_
   tau_neg), aggregated `seq_mean_token_mean`.
 - scale_rewards group (True) / none (False): advantage_estimator `grpo` / `dr_grpo`.
 
+loss_type grpo / dr_grpo / dapo without epsilon, epsilon_high or delta is TRL's default clip plus a normaliser: with
+an objective given, the objective replaces the clip and loss_type keeps its meaning for the normaliser (the
+aggregation), as GRPOConfig's own loss_type (always set: TRL cannot tell its default from a given value) must.
+
 Refused, each with what to set instead: loss_type bnpo (per-micro-batch normaliser), luspo and vespo, an unknown
 loss_type, an option TRL itself ignores with the loss type given, scale_rewards batch.
 """
@@ -27,6 +31,8 @@ from trustclip.objectives.registry import is_finite_number
 LOSS_OPTIONS = ("loss_type", "epsilon", "epsilon_high", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
                 "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
 OPTIONS = (*LOSS_OPTIONS, "scale_rewards")
+# the ones a plain GRPOConfig always means (its normaliser and reward scaling), whatever the objective
+ALWAYS_MEANT = ("loss_type", "scale_rewards")
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # TRL loss type -> trustclip aggregation of the same normaliser
 AGGREGATION_OF = {"grpo": "seq_mean_token_mean", "dr_grpo": "dr_grpo", "dapo": "token_mean", "cispo": "token_mean",
@@ -34,6 +40,10 @@ AGGREGATION_OF = {"grpo": "seq_mean_token_mean", "dr_grpo": "dr_grpo", "dapo": "
 ESTIMATOR_OF = {"group": "grpo", True: "grpo", "none": "dr_grpo", False: "dr_grpo"}
 # advantage estimator -> TRL's reward scaling that computes it (rloo additionally rescales by G / (G - 1))
 SCALE_REWARDS_OF = {"grpo": "group", "dr_grpo": "none", "rloo": "none"}
+CLIP_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # TRL's PPO clip, each with its own normaliser
+# options that only one TRL loss type reads
+OWNER_OF = {"sapo_temperature_pos": "sapo", "sapo_temperature_neg": "sapo", "vespo_k_pos": "vespo",
+            "vespo_lambda_pos": "vespo", "vespo_k_neg": "vespo", "vespo_lambda_neg": "vespo"}
 TRL_EPSILON = 0.2  # GRPOConfig.epsilon's default, which TRL's loss uses when epsilon is not given
 
 
@@ -45,6 +55,7 @@ class TrlLoss:
     objective_kwargs: dict[str, Any] = field(default_factory=dict)
     aggregation: str | None = None
     advantage_estimator: str | None = None
+    default_clip: bool = False  # the objective is TRL's clip at TRL's default epsilon, spelled by loss_type alone
 
     def as_settings(self, prefix: str = "") -> str:
         """`objective='clip', objective_kwargs={'epsilon': 0.3}, aggregation='token_mean'` (`prefix` e.g. 'rl.')."""
@@ -81,13 +92,14 @@ def translate(options: dict[str, Any]) -> TrlLoss:
         raise ValueError("loss_type='bnpo' normalises by the tokens of each micro-batch, which no trustclip "
                          "aggregation does; use aggregation='token_mean' (the whole optimizer step's tokens, TRL's "
                          "'dapo') with objective='clip'")
-    if loss_type in ("luspo", "vespo") or any(key.startswith("vespo_") for key in loss):
+    if loss_type in ("luspo", "vespo"):
         raise ValueError(f"{spelled(loss)}: trustclip has no objective computing TRL's {loss_type} loss; choose a "
                          "trustclip objective (`trustclip objectives`; gspo for sequence-level ratios) with "
                          "objective / objective_kwargs")
     if "loss_type" in loss:
         out.aggregation = AGGREGATION_OF[loss_type]
     out.objective, out.objective_kwargs = _objective_of(loss_type, loss)
+    out.default_clip = loss_type in CLIP_LOSS_TYPES and not {"epsilon", "epsilon_high", "delta"} & loss.keys()
     return out
 
 
@@ -95,15 +107,18 @@ def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, 
     def unused(*keys: str) -> None:
         given = [key for key in keys if key in loss]
         if given:
-            raise ValueError(f"{spelled({k: loss[k] for k in given})}: TRL's loss_type={loss_type!r} does not use "
-                             f"{' or '.join(given)}; drop it (trustclip's objective_kwargs hold the objective's "
-                             "hyper-parameters)")
+            owners = sorted({OWNER_OF[k] for k in given if k in OWNER_OF})
+            only = f" (only loss_type={' / '.join(map(repr, owners))} does)" if owners else ""
+            default = "" if "loss_type" in loss else ", TRL's default,"
+            raise ValueError(f"{spelled({k: loss[k] for k in given})}: TRL's loss_type={loss_type!r}{default} does "
+                             f"not use {' or '.join(given)}{only}; drop it (trustclip's objective_kwargs hold the "
+                             "objective's hyper-parameters)")
 
+    unused(*(key for key, owner in OWNER_OF.items() if owner != loss_type))
     if loss_type == "sapo":
         unused("epsilon", "epsilon_high", "delta")
         names = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
         return "sapo", {names[k]: v for k, v in loss.items() if k in names}
-    unused("sapo_temperature_pos", "sapo_temperature_neg")
     if loss_type == "cispo":
         unused("delta", *(("epsilon",) if "epsilon_high" in loss else ()))
         cap = loss.get("epsilon_high", loss.get("epsilon", TRL_EPSILON))

@@ -52,6 +52,9 @@ ATTRIBUTES: dict[str, str] = {
     "_tokenizer": "the tokenizer of the processing class (pad id of a truncated completion)",
     "eos_token_ids": "ids that end a completion (a completion without one was truncated)",
     "reward_funcs": "the reward functions (their verifier counters are logged)",
+    "reward_func_names": "their names in TRL's `rewards/<name>/mean|std` metrics (truncated_reward's true scores)",
+    "reward_weights": "TRL's weights of the total reward (truncated_reward replaces the weighted total)",
+    "_logs": "TRL's completion log (`rewards` per function name: truncated_reward's true scores)",
     "aux_loss_enabled": "MoE router auxiliary loss (from the model's config)",
     "router_aux_loss_coef": "its coefficient",
     "entropy_coef": "entropy coefficient (written by the adaptive controller; TRL saves it)",
@@ -71,7 +74,8 @@ CONFIG_FIELDS = ("steps_per_generation", "num_iterations", "gradient_accumulatio
 CONFIG_PROPERTIES = ("should_save",)  # TrainingArguments properties the subclass (and its callback) reads
 # Module-level helpers imported from TRL's internals: module -> names.
 FUNCTIONS = {"trl.models.utils": ("disable_gradient_checkpointing",),
-             "trl.trainer.utils": ("add_fused_lm_head",)}  # mixed_precision.py: float32 log-probs
+             "trl.trainer.utils": ("add_fused_lm_head",  # mixed_precision.py: float32 log-probs
+                                   "nanstd")}  # a reward function's std, as TRL logs it
 # vLLM colocated on a CPU (vllm_engine.py): "module:Class.method" of TRL and vLLM -> the parameters passed to it.
 VLLM_METHODS: dict[str, tuple[str, ...]] = {
     "trl.generation.vllm_generation:VLLMGeneration.sync_weights": (),  # replaced on a CPU

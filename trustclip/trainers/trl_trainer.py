@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanstd
 
 from trustclip import metric_names as names
 from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
@@ -35,7 +36,13 @@ from trustclip.trainers.delta_control import DeltaControlCallback
 from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
 from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
 from trustclip.trainers.step_counts import StepCounts
-from trustclip.trainers.trl_config import TrustClipGRPOConfig, check_delta_control, generation_period, on_policy_warning
+from trustclip.trainers.trl_config import (
+    TrustClipGRPOConfig,
+    check_delta_control,
+    generation_period,
+    on_policy_warning,
+    settings_line,
+)
 from trustclip.trainers.trl_surface import check_trl_surface
 from trustclip.trainers.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
 from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
@@ -75,6 +82,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
                 generate_every=generation_period(args))
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self._delta_callback]
         self._defer_old_logps = False  # set while TRL scores a generation batch whose old log-probs can wait
+        self._scored = None  # truncated_reward: what each reward function returned, for its metrics
         self._score_later = False  # its slices' old log-probs are due when TRL buffers them (`_score_old_logps`)
         on_cpu = needs_cpu_engine(args)  # vLLM's CPU build: its own set-up and weight sync (vllm_engine.py)
         if on_cpu:
@@ -95,6 +103,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         self._full_vocab = FullVocabForward(  # truly_ppo's forward, and pi_old's LM head
             args.full_kl_storage, args.full_kl_topk, args.temperature, self.accelerator.unwrap_model,
             self.accelerator.autocast)
+        line, translated = settings_line(args, self._objective)  # what a TRL user's settings became
+        (logger.warning if translated else logger.info)(line)
         message = on_policy_warning(args, self._objective.name)
         if message:
             logger.warning("\n%s\ntrustclip WARNING: %s\n%s", "!" * 100, message, "!" * 100)
@@ -123,6 +133,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._defer_old_logps = False
+        if self._scored is not None:
+            self._log_function_scores(self._scored)
         group = self.args.num_generations
         if self.advantage_estimator == "rloo" and group > 1:
             # R_i - mean_{j != i} R_j = G / (G - 1) (R_i - mean_g R); TRL produced the latter (scale_rewards=none)
@@ -163,11 +175,16 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._scored = None
         if self.args.truncated_reward is not None:
             finished = {*self.eos_token_ids, self._tokenizer.pad_token_id}
             truncated = torch.tensor([len(ids) > 0 and ids[-1] not in finished for ids in completion_ids_list],
                                      device=rewards.device)
-            rewards[self.accelerator.gather(truncated)] = self.args.truncated_reward  # TRL returns all processes'
+            self._scored = rewards.clone()
+            # TRL's total is the weighted sum of the functions' scores (sum_then_normalize): a truncated row gets the
+            # scores t w / |w|^2, whose weighted sum is t; each function's metrics report what it returned
+            weights = self.reward_weights.to(rewards.device, rewards.dtype)
+            rewards[self.accelerator.gather(truncated)] = self.args.truncated_reward * weights / weights.square().sum()
         # Reward functions with a `metrics()` method (trustclip.rewards.CorrectnessReward) report cumulative
         # verifier counters; log their totals over processes (the first such function: they share a verifier).
         counters = next((f.metrics() for f in self.reward_funcs if callable(getattr(f, "metrics", None))), None)
@@ -178,6 +195,19 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             for key, total in zip(keys, self._sum_over_processes(local).tolist(), strict=True):
                 self._metrics[mode][key].append(total)
         return rewards
+
+    def _log_function_scores(self, scored: torch.Tensor) -> None:
+        """Each reward function's mean / std and logged scores (TRL's `rewards/<name>/...`) as it returned them, in
+        place of the truncated_reward stand-ins TRL logged (the total `reward` is the replaced one)."""
+        mode = "train" if self.model.training else "eval"
+        self._scored = None
+        for i, name in enumerate(self.reward_func_names):
+            self._metrics[mode][f"rewards/{name}/mean"][-1] = torch.nanmean(scored[:, i]).item()
+            self._metrics[mode][f"rewards/{name}/std"][-1] = nanstd(scored[:, i]).item()
+            logged = self._logs["rewards"][name]
+            for _ in range(min(len(logged), scored.size(0))):
+                logged.pop()
+            logged.extend(scored[:, i].tolist())
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
         inputs = super()._prepare_inputs(generation_batch)
@@ -355,6 +385,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             trl_level = key in (names.ENTROPY, names.KL_REF, names.POLICY_LOSS)  # logged under TRL's names only
             for name in [key] if trl_level else names.logged_names(key):
                 self._metrics[mode][name].append(value)
+        self._log_sequence_clip_extremes(mode, out, mask)
         return values, tokens
 
     def _log_sampler_gap(self, mode: str, inputs: dict[str, Any], logps: torch.Tensor, mask: torch.Tensor) -> None:
@@ -369,6 +400,19 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         total, count = self._sum_over_processes(torch.stack([gap.sum(), valid.sum().to(gap.dtype)])).tolist()
         self._metrics[mode][names.SAMPLER_GAP_MEAN].append(total / max(count, 1.0))
         self._metrics[mode][names.SAMPLER_GAP_MAX].append(self.accelerator.gather(gap.max()[None]).max().item())
+
+    def _log_sequence_clip_extremes(self, mode: str, out: TokenLoss, mask: torch.Tensor) -> None:
+        """TRL's `clip_ratio/low_min` and `clip_ratio/high_max`: over every process's sequences, the smallest fraction
+        of a sequence's tokens clipped low and the largest clipped high (a sequence without valid tokens counts
+        nowhere). Reduced on each process first: with skip_zero_advantage processes hold different numbers of rows."""
+        tokens = mask.sum(-1)
+        low = (out.clipped_low.to(mask.dtype) * mask).sum(-1) / tokens  # NaN for a sequence without tokens
+        high = (out.clipped_high.to(mask.dtype) * mask).sum(-1) / tokens
+        extremes = self.accelerator.gather(torch.stack([_nan_extreme(low, torch.amin), _nan_extreme(high, torch.amax)]))
+        extremes = extremes.view(-1, 2)
+        low_min, high_max = _nan_extreme(extremes[:, 0], torch.amin), _nan_extreme(extremes[:, 1], torch.amax)
+        self._metrics[mode][names.TRL_CLIP_LOW_MIN].append(low_min.item())
+        self._metrics[mode][names.TRL_CLIP_HIGH_MAX].append(high_max.item())
 
     # ------------------------------------------------------------------ truly_ppo: the full-vocabulary KL
     def _old_policy(self, output: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -395,6 +439,12 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._delta_callback is not None and checkpoint is not None:
             self._delta_callback.load(checkpoint, self._objective.name)
+
+
+def _nan_extreme(values: torch.Tensor, extreme: Any) -> torch.Tensor:
+    """`extreme` (torch.amin / amax) of the non-NaN values; NaN when there are none (TRL's nanmin / nanmax)."""
+    kept = values[~values.isnan()]
+    return extreme(kept) if kept.numel() else torch.full((), math.nan, dtype=values.dtype, device=values.device)
 
 
 def _one_token_mask(mask: torch.Tensor) -> torch.Tensor:
