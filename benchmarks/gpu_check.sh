@@ -10,7 +10,8 @@
 #   2. the objective tests on CUDA (each reference / finiteness test runs on the CPU and the GPU), the version shims,
 #      mixed precision and the trainer tests;
 #   3. the embedded default (`trustclip train`) on CUDA, and its held-out numbers before -> after;
-#   4. benchmarks/objective_overhead.py --device cuda (the loss layer against an inline PPO loss);
+#   4. benchmarks/objective_overhead.py --device cuda --objectives ratio (the loss layer, eager and fused, against an
+#      inline PPO loss; each fused objective compiles first, so the ratio objectives only);
 #   5. benchmarks/trainer_overhead.py --device cuda (our trainer against TRL's built-in loss: step time, peak memory).
 # It writes DIR/summary.md (each step's status, time and result lines) beside each step's full log. Without a GPU it
 # says so and runs the CPU-capable parts (step 2 on the CPU), so the script itself is checked anywhere.
@@ -64,6 +65,6 @@ import json, sys
 summary = json.load(open(sys.argv[1]))
 print("\nembedded default on CUDA, summary.json:", json.dumps({k: v for k, v in summary.items() if "time" not in k})[:1500])
 EOF
-step objective_overhead 90 "ratio|inline|x |batch" $PY benchmarks/objective_overhead.py --device cuda --repeats 30
+step objective_overhead 240 . $PY benchmarks/objective_overhead.py --device cuda --repeats 30 --objectives ratio
 step trainer_overhead 150 "ratio|TRL|trustclip|GPU" $PY benchmarks/trainer_overhead.py --device cuda --steps 20 --rounds 2
 echo "gpu_check: summary in $SUMMARY"

@@ -720,3 +720,30 @@ def test_skip_zero_advantage_trains(tiny, tmp_path):
     kept = trainer.state.log_history[0].get("update/kept_frac")
     assert kept is not None and 0 < kept < 1
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters(), strict=True))
+
+
+def test_fused_loss_gives_the_eager_loss_gradients_and_metrics(tiny, tmp_path):
+    """fused_loss=True (the per-token loss as one compiled graph, trustclip.objectives.fused) changes nothing the
+    trainer computes beyond float rounding: loss, parameter gradients, logged metrics."""
+    from torch._dynamo.utils import counters  # dynamo's own count of the graphs it compiled
+
+    from trustclip.objectives.fused import clear_compiled
+
+    kwargs = dict(objective="clip_higher", aggregation="token_mean", max_completion_length=6)
+    eager = make_trainer(tiny, tmp_path / "eager", **kwargs)
+    fused = make_trainer(tiny, tmp_path / "fused", fused_loss=True, **kwargs)
+    inputs = _with_old_logps(eager, _batch(tiny[1]))
+    clear_compiled()
+    counters.clear()
+    assert_same_loss_and_grads(fused, eager, inputs)
+    assert counters["stats"]["unique_graphs"] == 1  # the fused trainer's loss was the compiled graph
+    logged = {key: values for key, values in eager._metrics["train"].items() if key.startswith("objective/")}
+    assert logged and logged["objective/clip_frac"][0] > 0  # the batch does clip
+    for key, values in logged.items():
+        assert fused._metrics["train"][key] == pytest.approx(values, rel=1e-5, abs=1e-7), key
+
+
+def test_trl_config_refuses_fused_loss_for_an_objective_without_a_fused_path(tmp_path):
+    with pytest.raises(ValueError, match="objective 'kl_cov' cannot be fused.*set fused_loss=False"):
+        make_config(tmp_path, objective="kl_cov", fused_loss=True)
+    assert not make_config(tmp_path, objective="kl_cov").fused_loss  # eager default

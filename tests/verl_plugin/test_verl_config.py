@@ -80,6 +80,16 @@ def test_bad_config_fails_when_built(loss_mode: str, kwargs, message: str) -> No
         TrustclipPolicyLossConfig(loss_mode=loss_mode, objective_kwargs=kwargs)
 
 
+@pytest.mark.parametrize("loss_mode, message", [
+    ("trustclip_kl_cov", r"objective 'kl_cov' cannot be fused: .*; set policy_loss.fused=False"),
+    ("trustclip_clip_cov", r"objective 'clip_cov' cannot be fused"),
+    ("vanilla", r"policy_loss.fused=True is only read by trustclip_\* loss modes, but loss_mode='vanilla'"),
+])
+def test_fused_loss_the_plugin_cannot_give_fails_when_built(loss_mode: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrustclipPolicyLossConfig(loss_mode=loss_mode, fused=True)
+
+
 @pytest.mark.parametrize("loss_mode, message", [("trustclip_truly_ppo", "needs the per-token input"),
                                                 ("trustclip_atr_adaptive", "adapts delta between updates")])
 def test_losses_verl_cannot_feed_fail_clearly_at_call(loss_mode: str, message: str) -> None:
@@ -96,6 +106,18 @@ def test_config_unknown_to_verl_is_rejected_without_the_subclass() -> None:
                               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
     with pytest.raises(Exception, match="objective_kwargs"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+@pytest.mark.parametrize("loss_mode, refused", [("trustclip_kl3", False), ("trustclip_kl_cov", True)])
+def test_fused_from_the_command_line(loss_mode: str, refused: bool) -> None:
+    cfg = compose_ppo_config([TARGET, f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+                              "+actor_rollout_ref.actor.policy_loss.fused=true",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    if refused:
+        with pytest.raises(Exception, match="objective 'kl_cov' cannot be fused"):
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    else:
+        assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss.fused is True
 
 
 def test_general_constraint_from_a_hydra_node() -> None:

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from tensordict import TensorDict
+from torch._dynamo.utils import counters  # dynamo's own count of the graphs it compiled
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig
@@ -27,6 +28,7 @@ from verl_testkit import (
 from trustclip import compute_policy_loss, compute_token_loss, get_objective, ratio_bounds
 from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
 from trustclip.objectives import RatioInterval
+from trustclip.objectives.fused import clear_compiled
 
 # objective -> hyper-parameters that make its mechanism bite on the test inputs (others: trustclip defaults)
 OBJECTIVES = {
@@ -68,6 +70,26 @@ def test_matches_compute_policy_loss(name: str, mode: str, info: str) -> None:
     assert {k: metrics[f"actor/objective/{k}"] for k in expected_metrics} == expected_metrics
     assert metrics["actor/pg_clipfrac"] == expected_metrics["clip_frac"]
     assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_fused_loss_is_the_eager_loss() -> None:
+    """policy_loss.fused=True (one compiled graph, trustclip.objectives.fused): the same loss, gradient and metrics
+    to float rounding, through verl's registry and aggregation."""
+    clear_compiled()
+    counters.clear()
+    results = []
+    for fused in (False, True):
+        inputs = make_inputs(seed=5, weights=True)
+        config = actor_config(TrustclipPolicyLossConfig(loss_mode="trustclip_dual_clip", fused=fused))
+        loss, metrics = get_policy_loss_fn("trustclip_dual_clip")(loss_agg_mode="seq-mean-token-mean", config=config,
+                                                                  **inputs.args())
+        results.append((loss, grad(loss, inputs), metrics))
+    (loss, gradient, metrics), (fused_loss, fused_gradient, fused_metrics) = results
+    assert counters["stats"]["unique_graphs"] == 1  # the fused call was the compiled graph
+    assert_close(fused_loss, loss)
+    assert_close(fused_gradient, gradient)
+    assert fused_metrics.keys() == metrics.keys() and metrics["actor/pg_clipfrac_lower"] > 0  # the dual clip acts
+    assert fused_metrics == pytest.approx(metrics, rel=1e-12, abs=1e-14)
 
 
 @pytest.mark.parametrize("alias, name", [("atr", "kl3"), ("atr_grpo", "kl3"), ("dapo", "clip_higher")])

@@ -32,6 +32,7 @@ try:  # verl logs plugin import errors only at DEBUG: make them visible first
     from trustclip.metric_names import VERL_NAMES, objective_name
     from trustclip.objectives import REGISTRY, Objective, PolicyBatch, TokenLoss, compute_token_loss, get_objective
     from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+    from trustclip.objectives.fused import DEFAULT_FUSED
     from trustclip.objectives.registry import ALIASES
     from trustclip.objectives.statistics import reduce_statistics, token_statistics
 except Exception as _err:
@@ -182,7 +183,8 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
                            response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
                            rollout_is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """verl policy loss of the trustclip objective behind `loss_mode` (see the module docstring)."""
-    objective = build_objective(loss_mode, _get(_get(config, "policy_loss"), "objective_kwargs"))
+    policy_loss = _get(config, "policy_loss")
+    objective = build_objective(loss_mode, _get(policy_loss, "objective_kwargs"))
     for note in check_settings(objective, loss_mode, loss_agg_mode, config):
         _warn_once(note)
     from verl.trainer.ppo.core_algos import agg_loss  # (importing this module checked that verl is installed)
@@ -192,7 +194,7 @@ def compute_trustclip_loss(loss_mode: str, old_log_prob: torch.Tensor, log_prob:
         return (log_prob * 0.0).sum(), {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
     out, batch = compute_token_loss(
         objective, logp=log_prob, old_logp=old_log_prob, advantages=advantages, mask=mask,
-        token_weights=rollout_is_weights,
+        token_weights=rollout_is_weights, fused=_get(policy_loss, "fused", DEFAULT_FUSED),
     )
     loss = agg_loss(loss_mat=out.loss, loss_mask=mask, loss_agg_mode=loss_agg_mode, **_global_batch_info(config))
     return loss, verl_metrics(out, batch)

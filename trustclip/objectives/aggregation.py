@@ -41,6 +41,26 @@ def aggregate(
     batches, so pass it for a faithful Dr.GRPO.
     """
     check_aggregation(mode)
+    if mode == "dr_grpo":
+        max_len = dr_grpo_length(mask, max_len)
+    return aggregate_with_length(loss, mask, mode, max_len=max_len, num_tokens=num_tokens,
+                                 num_sequences=num_sequences)
+
+
+def dr_grpo_length(mask: torch.Tensor, max_len: int | None) -> int:
+    """Dr.GRPO's L_max: `max_len`, checked against the longest response, or that response's length when None. Reads
+    one number on the host (the rest of `aggregate` does not, so that it compiles into one graph)."""
+    longest = int(mask.sum(-1).max().item())
+    if max_len is None:
+        return max(longest, 1)
+    if _positive("max_len", max_len) < longest:
+        raise ValueError(f"max_len={max_len} is shorter than the longest response in the batch ({longest} tokens)")
+    return max_len
+
+
+def aggregate_with_length(loss: torch.Tensor, mask: torch.Tensor, mode: str, *, max_len: int | None,
+                          num_tokens: float | None, num_sequences: float | None) -> torch.Tensor:
+    """`aggregate` once dr_grpo's L_max is known (`dr_grpo_length`)."""
     mask = mask.to(loss.dtype)
     masked = loss * mask
     lengths = mask.sum(-1)
@@ -52,11 +72,6 @@ def aggregate(
         return (masked.sum(-1) / lengths.clamp(min=1)).sum() / n_seq
     if mode == "seq_mean_token_sum":
         return masked.sum() / n_seq
-    longest = int(lengths.max().item())
-    if max_len is None:
-        max_len = max(longest, 1)
-    elif _positive("max_len", max_len) < longest:
-        raise ValueError(f"max_len={max_len} is shorter than the longest response in the batch ({longest} tokens)")
     return masked.sum() / (n_seq * max_len)
 
 

@@ -26,17 +26,19 @@ def second_moment_mask(log_ratio: torch.Tensor, valid: torch.Tensor, threshold: 
     """Bool (B, T): the valid tokens M2PO masks. Sorted by M2 = (log w)^2, largest first (a stable sort, so ties keep
     their order and padding cannot change the choice), the fewest largest are masked so that the mean M2 of the rest
     is < threshold; if no such set exists, all but the smallest are masked (AReaL keeps one token)."""
-    m2 = log_ratio.detach()[valid] ** 2
+    # Static shapes (one compiled graph for the fused path): padding sorts last (M2 = -1) and adds 0 to the sums;
+    # the stable sort keeps the valid tokens in the order `log_ratio[valid]` would give them.
+    m2 = torch.where(valid, log_ratio.detach() ** 2, -1.0).flatten()
     ordered, order = torch.sort(m2, descending=True, stable=True)
-    n = ordered.numel()
-    rest_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
-    below = rest_mean < threshold
+    n = valid.sum()
+    position = torch.arange(ordered.numel(), device=m2.device)
+    suffix_sum = ordered.clamp(min=0).flip(0).cumsum(0).flip(0)
+    rest_mean = suffix_sum / (n - position).clamp(min=1).to(m2.dtype)
+    below = (rest_mean < threshold) & (position < n)
     count = torch.where(below.any(), below.to(torch.uint8).argmax(), n - 1)  # argmax: the first suffix below
-    masked = torch.zeros_like(below)
-    masked[order] = torch.arange(n, device=m2.device) < count
-    full = torch.zeros_like(valid)
-    full[valid] = masked
-    return full
+    masked = torch.zeros_like(valid).flatten()
+    masked[order] = position < count
+    return masked.view_as(valid)
 
 
 @register_objective(

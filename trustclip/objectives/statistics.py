@@ -62,6 +62,20 @@ def reduce_statistics(
     `sum_over_processes` / `max_over_processes` reduce a 1-D tensor across processes (e.g. an all-reduce sum and an
     all-gather max); None: this process alone. Scalars are averaged over `num_processes`. Keys come in the order
     of the series, with `ratio_min` / `ratio_max` after `ratio_mean`, then the scalars."""
+    sums, extremes = statistic_totals(stats, mask, num_processes=num_processes)
+    if sum_over_processes is not None:
+        sums = sum_over_processes(sums)
+    if max_over_processes is not None:
+        extremes = max_over_processes(extremes)
+    values = torch.cat([sums, extremes]).tolist()  # the one device-to-host transfer
+    return metrics_of_totals(list(stats.means), list(stats.scalars), values)
+
+
+def statistic_totals(stats: TokenStatistics, mask: torch.Tensor, *,
+                     num_processes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device side of `reduce_statistics` (no transfer, no Python branch on values, so it compiles into one
+    graph): `sums`, 1-D, the totals of the series over the valid tokens, then their count, then the scalars divided
+    by `num_processes`; `extremes`, the ratio's (max, -min) over them."""
     weights = mask.to(stats.ratio.dtype)
     valid = weights.bool()
     # bool series counted on the valid tokens, float series weighted by the mask
@@ -72,21 +86,23 @@ def reduce_statistics(
     # The ratio (> 0) at its max is unchanged by the mask's 1; padding, at 0 or pushed beyond any ratio, never wins.
     ratio = stats.ratio
     extremes = torch.stack([(ratio * weights).amax(), -torch.add(ratio, 1 - weights, alpha=_BEYOND_ANY_RATIO).amin()])
-    if sum_over_processes is not None:
-        sums = sum_over_processes(sums)
-    if max_over_processes is not None:
-        extremes = max_over_processes(extremes)
-    values = torch.cat([sums, extremes]).tolist()  # the one device-to-host transfer
-    k = len(stats.means)
+    return sums, extremes
+
+
+def metrics_of_totals(means: list[str], scalars: list[str], values: list[float]) -> tuple[dict[str, float], float]:
+    """The host side of `reduce_statistics`: the metrics and the token count from `values` (plain floats: the sums,
+    reduced over processes or not, then the extremes of `statistic_totals`), whose series are named `means` and
+    scalars `scalars` (the keys of a `TokenStatistics`)."""
+    k = len(means)
     count = values[k]
     if count == 0:  # no valid token anywhere: no extremes
         values[-2:] = [-torch.inf, -torch.inf]
     metrics = {}
-    for key, total in zip(stats.means, values[:k], strict=True):
+    for key, total in zip(means, values[:k], strict=True):
         metrics[key] = total / max(count, 1.0)
         if key == "ratio_mean":
             metrics |= {"ratio_min": -values[-1], "ratio_max": values[-2]}
-    metrics |= dict(zip(stats.scalars, values[k + 1:-2], strict=True))
+    metrics |= dict(zip(scalars, values[k + 1:-2], strict=True))
     return metrics, count
 
 
@@ -109,9 +125,12 @@ class PolicyMetrics(Mapping[str, float]):
 
     @cached_property
     def _values(self) -> dict[str, float]:
-        values = policy_metrics(*self._inputs)
+        values = self._reduce()
         self._inputs = None  # the tensors are no longer needed
         return values
+
+    def _reduce(self) -> dict[str, float]:
+        return policy_metrics(*self._inputs)
 
     def __getitem__(self, key: str) -> float:
         return self._values[key]

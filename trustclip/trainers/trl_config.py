@@ -13,6 +13,7 @@ from trl import GRPOConfig
 
 from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+from trustclip.objectives.fused import DEFAULT_FUSED, fused_backend
 from trustclip.objectives.registry import is_finite_number, resolve_name
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.options import check, option
@@ -68,6 +69,10 @@ class TrustClipGRPOConfig(GRPOConfig):
     vllm_enforce_eager: bool = option(False, "With use_vllm and vllm_mode='colocate': build TRL's vLLM engine with "
                                       "enforce_eager (no torch.compile of the sampler: faster start, ~15% slower "
                                       "generation on a CPU). TRL builds it compiled.")
+    fused_loss: bool = option(DEFAULT_FUSED, "Compute the objective's per-token loss as one torch.compile'd graph "
+                              "(inductor; trustclip.objectives.fused): fewer kernel launches on a GPU, the same loss "
+                              "and gradient to float rounding; the first step compiles it (seconds). clip_cov and "
+                              "kl_cov have no fused path: an error.")
     # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
     loss_type: str | None = option(None, _TRL_LOSS_HELP)
     epsilon: float | None = option(None, _TRL_LOSS_HELP)
@@ -128,6 +133,7 @@ class TrustClipGRPOConfig(GRPOConfig):
             except ValueError as err:
                 raise ValueError(f"objective={self.objective!r}, objective_kwargs={self.objective_kwargs!r}: {err}"
                                  ) from None
+        fused_backend(self.fused_loss, self.objective, "fused_loss")  # an objective without a fused path: refused
         for name, valid in (("aggregation", AGGREGATIONS), ("advantage_estimator", ADVANTAGE_ESTIMATORS),
                             ("full_kl_storage", ("hidden", "topk")),
                             ("generation_dtype", ("bfloat16", "float16", "float32", None))):

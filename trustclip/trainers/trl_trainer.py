@@ -243,7 +243,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         out, batch = compute_token_loss(
             self.objective, logp=logps, old_logp=inputs.get("old_per_token_logps"), advantages=inputs["advantages"],
             mask=mask if has_tokens else _one_token_mask(mask),
-            token_weights=weights if has_tokens else torch.zeros_like(logps), **extras,
+            token_weights=weights if has_tokens else torch.zeros_like(logps), fused=self.args.fused_loss, **extras,
         )
         per_token_loss, per_token_kl = out.loss, None
         if self.args.beta != 0.0:
