@@ -40,7 +40,7 @@ step() {
     timeout "$limit" "$@" > "$DIR/$name.log" 2>&1
     rc=$?
     { echo; echo "## $name: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc$([ $rc = 124 ] && echo ", past ${limit} s"))") in $(( $(date +%s) - start )) s"
-      echo '```'; grep -E "$pattern" "$DIR/$name.log" | tail -40; echo '```'; } >> "$SUMMARY"
+      echo '```'; { grep -E "$pattern" "$DIR/$name.log" || tail -5 "$DIR/$name.log"; } | tail -40; echo '```'; } >> "$SUMMARY"
     echo "gpu_check: $name exit $rc"
 }
 
@@ -54,8 +54,9 @@ if [ "$CUDA" != 1 ]; then
     echo "gpu_check: no CUDA GPU visible to torch: steps 3-5 need one; running step 2 on the CPU only" | tee -a "$SUMMARY"
 fi
 
-step tests 200 "passed|failed|error|Error" $PY -m pytest -q -p no:cacheprovider -x tests/test_compat.py \
-    tests/test_precision.py tests/test_trainer.py tests/test_objectives.py tests/test_objective_properties.py \
+step tests $([ "$CUDA" = 1 ] && echo 200 || echo 1200) "passed|failed|error|Error" $PY -m pytest -q -p no:cacheprovider -x tests/test_compat.py \
+    tests/test_precision.py tests/test_trainer.py tests/test_objectives.py tests/test_objective_inputs.py \
+    tests/test_objective_properties.py \
     -k "not test_objective_properties or finite_loss"
 [ "$CUDA" = 1 ] || exit 0
 
