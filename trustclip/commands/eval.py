@@ -28,7 +28,7 @@ from pathlib import Path
 
 from trustclip.evaluation.config import EvalArgs
 from trustclip.evaluation.evaluator import evaluate_checkpoints
-from trustclip.evaluation.generation import check_backend
+from trustclip.evaluation.generation import check_backend, resolve_backend
 from trustclip.evaluation.report import REPORT_FILES, format_table, write_report
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
 from trustclip.rewards import default_verifier
@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"settings of the run in {run_dir}" + (f"; overridden: {', '.join(notes)}" if notes else ""))
     sizes = ", ".join(f"{name} ({len(rows)})" for name, rows in benchmarks.items())
     print(f"benchmarks: {sizes}; K={settings.k}, n={settings.n}, T={settings.temperature}, "
-          f"max_new_tokens={settings.max_new_tokens}, seed={settings.seed}")
+          f"max_new_tokens={settings.max_new_tokens}, seed={settings.seed}, "
+          f"backend={resolve_backend(settings.backend)}")
     results = evaluate_checkpoints([_model_path(m, config) for m in models], benchmarks, settings,
                                    device=args.device, dtype=model_dtype(config))
     for result, name in zip(results, models, strict=True):

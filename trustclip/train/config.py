@@ -219,7 +219,8 @@ class RLArgs:
 
     reward_timeout: StrictFloat = option(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the "
                                          "RL reward and the evaluation.")
-    eval_every: StrictInt = option(0, "Evaluate the held-out benchmarks every N steps during RL (0: off).")
+    eval_every: StrictInt = option(0, "Evaluate the held-out benchmarks every N steps during RL (0: off), with HF "
+                                     "generate on the model in memory, whatever eval.backend says.")
     trl_kwargs: dict[str, Any] = option({}, "Extra GRPOConfig fields, e.g. {entropy_coef: 0.001, "
                                         "top_entropy_quantile: 0.2}.")
 

