@@ -118,3 +118,11 @@ def test_trustclip_train_samples_with_vllm(tiny_model_path, tmp_path):
     assert len(steps) == 2
     assert all(0 <= r[SAMPLER_GAP_MEAN] < 10 * BF16_NOISE for r in steps)
     assert any("sampling/importance_sampling_ratio/mean" in r for r in rows)  # TRL's correction ran
+
+
+def test_use_vllm_without_vllm_is_refused_naming_the_install(tmp_path, monkeypatch):
+    """Where vLLM is not installed (it is here, so its spec is hidden), use_vllm fails when the config is built."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match="use_vllm=True needs the vllm package, which is not installed"):
+        _config(tmp_path, vllm_mode="colocate")
