@@ -628,6 +628,16 @@ def test_failed_run_does_not_stop_the_others(fake_env, monkeypatch):
     assert started(events(out, n)) == ["clip/seed0"]
 
 
+def test_one_worker_runs_whole_seeds_in_turn(fake_env):
+    """jobs=1: each seed's SFT run, then that seed's RL runs, then the next seed: a compare stopped midway has
+    complete seeds, not every SFT model and no RL run."""
+    settings = fake_settings(fake_env, objectives=("clip",), seeds=(0, 1))
+    settings.jobs = 1
+    assert run_compare(settings, say=lambda s: None) == 0
+    assert [r["run"] for r in events(fake_env) if r["event"] == "start"] == [
+        "_sft/seed0", "clip/seed0", "_sft/seed1", "clip/seed1"]
+
+
 def test_changed_settings_are_not_mixed(fake_env):
     out = fake_env
     assert run_compare(fake_settings(out, objectives=("clip",), seeds=(0,)), say=lambda s: None) == 0

@@ -153,7 +153,9 @@ def execute(runs: Sequence[RunSpec], root: str | Path, *, log_dir: str | Path | 
         check_changed(runs)
         on_locked()
         skipped = [spec.run_id for spec in runs if is_finished(spec)]
-        queue = sorted((spec for spec in runs if spec.run_id not in skipped), key=lambda spec: spec.kind != "sft")
+        # plan order, seed-major with each seed's SFT run first: a stopped compare has complete seeds, and a free
+        # worker passes over an RL run whose SFT run is not finished (below) to the next seed's SFT run
+        queue = [spec for spec in runs if spec.run_id not in skipped]
         for run_id in skipped:
             log("skip", run_id)
         say(f"{len(runs)} runs: {len(skipped)} already finished, {len(queue)} to run ({jobs} in parallel, "
