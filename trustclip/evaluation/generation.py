@@ -147,16 +147,21 @@ def generate_vllm(model_path: str, prompts: Sequence[str], config: EvalConfig, d
     import torch
 
     options: dict[str, Any] = {"seed": config.seed, "dtype": sampling_dtype(config, dtype)}
+    # A per-request seed gives each request a torch Generator; on a CPU, vLLM 0.32 rewinds it (`set_offset`) when a
+    # chunked prefill discards a sampled token, which CPU generators refuse ("CPU Generator does not use offset",
+    # SmolLM2's 768 evaluation requests, 4,096 tokens per engine step). There the engine's seed alone seeds sampling.
+    request_seed = config.seed
     if not torch.cuda.is_available():
         prepare_cpu_engine()  # before vLLM is imported: its CPU worker reads the environment
         options["enforce_eager"] = True
+        request_seed = None
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_path, **options)
     greedy = config.temperature == 0  # vLLM takes n=1 only, and the n greedy completions are one anyway
     params = SamplingParams(n=1 if greedy else config.n, temperature=config.temperature,
                             top_p=1.0 if greedy else config.top_p, top_k=config.top_k or -1,
-                            max_tokens=config.max_new_tokens, seed=config.seed)
+                            max_tokens=config.max_new_tokens, seed=request_seed)
     try:
         outs = llm.generate(list(prompts), params, use_tqdm=config.show_progress)
         # token_ids end with the end-of-sequence token where one stopped the completion: TRL's count, as HF's
