@@ -85,6 +85,7 @@ def _config(tmp_path, **overrides):
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"vllm_mode": "server"}, "vllm_mode='server' needs a CUDA GPU"),
     ({"vllm_mode": "colocate", "vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2"),
+    ({"vllm_mode": "server", "vllm_enforce_eager": True}, "vllm_enforce_eager=True builds the colocated engine"),
 ])
 def test_what_a_cpu_cannot_run_is_refused_up_front(overrides, message, tmp_path, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

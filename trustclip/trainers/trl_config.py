@@ -143,6 +143,10 @@ class TrustClipGRPOConfig(GRPOConfig):
             _check_truncated_reward(self)
         if isinstance(self.full_kl_topk, bool) or not isinstance(self.full_kl_topk, int) or self.full_kl_topk < 1:
             raise ValueError(f"full_kl_topk={self.full_kl_topk!r} must be an integer >= 1")
+        if self.vllm_enforce_eager and self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError(f"vllm_enforce_eager=True builds the colocated engine; with vllm_mode="
+                             f"{self.vllm_mode!r} the server's own options decide (vllm serve --enforce-eager): "
+                             "leave vllm_enforce_eager unset")
         if self.generation_dtype is not None and self.use_vllm:
             raise ValueError("generation_dtype samples from a copy of the policy in this process; with use_vllm=True "
                              "vLLM samples: leave generation_dtype unset")
