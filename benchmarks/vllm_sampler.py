@@ -150,6 +150,7 @@ def main() -> None:
     if args.generation_only:
         return
     root = Path(args.keep or tempfile.mkdtemp(prefix="trustclip-vllm-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
     print(f"recipe {args.recipe}, seed {args.seed}, rl steps {args.rl_steps or 'the recipe'}s, runs in {root}; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     results: dict[str, list[dict]] = {"hf": [], "vllm": []}
