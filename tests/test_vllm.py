@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 if importlib.util.find_spec("vllm") is None:
@@ -52,6 +55,49 @@ def test_colocated_vllm_on_a_cpu_trains_and_follows_the_policy(scenario, tiny_mo
     assert len(result["gap_mean"]) == len(result["gap_max"]) == result["steps"]
     for mean, peak in zip(result["gap_mean"], result["gap_max"], strict=True):
         assert 0 < mean <= peak < 10 * BF16_NOISE
+
+
+class FakeEngineModel(torch.nn.Module):
+    """What sync_weights_in_place reads of vLLM's model: its embedding (dtype), config (tied head) and lm_head."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(tie_word_embeddings=tied)
+        self.model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(2, dtype=torch.bfloat16)))
+        self.lm_head = SimpleNamespace(tie_weights=lambda embed: None,
+                                       quant_method=SimpleNamespace(process_weights_after_loading=lambda head: None))
+
+
+def fake_generation(tied: bool, layers_not_reached: list[str]):
+    """A TRL VLLMGeneration whose worker records what reload_weights receives and logs what vLLM's layer-wise reload
+    logs for layers no tensor reached."""
+    received = []
+
+    def reload_weights(weights_iterator):
+        received.extend((name, tensor.dtype) for name, tensor in weights_iterator)
+        for layer in layers_not_reached:
+            logging.getLogger(vllm_engine.RELOAD_LOGGER).warning(vllm_engine.RELOAD_FAILED, layer)
+
+    model = FakeEngineModel(tied)
+    worker = SimpleNamespace(reload_weights=reload_weights, model_runner=SimpleNamespace(get_model=lambda: model))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker)),
+                          reset_prefix_cache=lambda: None)
+    params = [("layers.0.input_layernorm.weight", torch.ones(2)), ("embed_tokens.weight", torch.ones(2, 2))]
+    return SimpleNamespace(llm=llm, _iter_named_params=lambda: iter(params)), received
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_sync_casts_to_the_engines_dtype_and_drops_only_expected_warnings(tied, caplog):
+    """A float32 policy into a bfloat16 engine: each tensor arrives in bfloat16 (vLLM warned once per tensor, per
+    sync, otherwise); of the layers no tensor reached, the rotary embedding and a tied head are not reported, any
+    other layer (an untied head included) still is."""
+    generation, received = fake_generation(tied, ["RotaryEmbedding", "ParallelLMHead", "LlamaDecoderLayer"])
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.RELOAD_LOGGER):
+        vllm_engine.sync_weights_in_place(generation)
+    assert received == [("layers.0.input_layernorm.weight", torch.bfloat16), ("embed_tokens.weight", torch.bfloat16)]
+    reported = [r.args[0] for r in caplog.records if r.name == vllm_engine.RELOAD_LOGGER]
+    assert reported == (["LlamaDecoderLayer"] if tied else ["ParallelLMHead", "LlamaDecoderLayer"])
+    assert not logging.getLogger(vllm_engine.RELOAD_LOGGER).filters  # the filter lives only for the sync
 
 
 def test_every_vllm_name_of_the_cpu_sync_exists():
