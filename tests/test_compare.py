@@ -579,8 +579,17 @@ def test_paired_comparisons_intervals(fake_env, monkeypatch):
     assert tidy_csv(fake_env)[("atr", 3, "mean@K")] == pytest.approx(average("kl3", 3, delta=0.07))
     assert (fake_env / "results.csv").read_text().splitlines()[0] == "run,group,seed,outcome,value"
     with (fake_env / "curves.csv").open() as fh:
-        panels = {row["panel"] for row in csv.DictReader(fh) if row["figure"] == "training_curves"}
+        curves = list(csv.DictReader(fh))
+    panels = {row["panel"] for row in curves if row["figure"] == "training_curves"}
     assert {"active-constraint fraction", "off-policy fraction (ratio outside [0.8, 1.2])", "reward (train)"} <= panels
+    # the per-seed scatter against the reference: one point per paired seed, at (clip's, atr's) final average
+    assert (fake_env / "figures" / "paired_by_seed.png").stat().st_size > 0
+    paired = sorted((float(r["x"]), float(r["mean"])) for r in curves
+                    if r["figure"] == "paired_by_seed" and r["group"] == "atr" and r["panel"].startswith("mean@"))
+    expected_points = sorted((tidy_csv(fake_env)[("clip", s, "mean@K")], tidy_csv(fake_env)[("atr", s, "mean@K")])
+                             for s in FIVE)
+    assert len(paired) == len(FIVE)
+    assert [v for point in paired for v in point] == pytest.approx([v for point in expected_points for v in point])
 
 
 def test_reference_is_a_report_setting(fake_env, monkeypatch, capsys):

@@ -54,8 +54,9 @@ def at_k_points(group: Group, split: str, kind: str) -> PerSeed:
 
 
 def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequence[str], out: Path,
-                 window: int | None) -> tuple[list[Path], list[dict[str, Any]]]:
-    """The report's figures (training curves, accuracy vs step, Mean@k / Pass@k vs k, the sweep) and their data."""
+                 window: int | None, reference: str | None = None) -> tuple[list[Path], list[dict[str, Any]]]:
+    """The report's figures (training curves, accuracy vs step, Mean@k / Pass@k vs k, the sweep, each group against
+    the reference seed by seed) and their data."""
     window = window or default_window(max((len(s[0]) for g in groups for r in g.runs for s in r.series.values()),
                                           default=1))
     rows: list[dict[str, Any]] = []
@@ -83,6 +84,17 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         rows.extend({"figure": "sweep", "panel": m, "group": g.group, "x": g.spec.sweep_value, "mean": st[g.group].mean,
                      "std": st[g.group].std, "n_seeds": st[g.group].n} for m, st in stats.items() for g in swept)
         paths.append(plot_sweep(out / "sweep.png", groups, stats, title_of(avg)))
+    ref = next((g for g in groups if g.group == reference), None)
+    if ref is not None and len(groups) > 1:
+        avg, panels = splits[-1], {}
+        for m in metrics:
+            key = f"final/{avg}/{m}"
+            panels[m] = {g.group: [(seed, ref.values.get(key, {})[seed], y) for seed, y in g.values.get(key, {}).items()
+                                   if seed in ref.values.get(key, {})] for g in groups if g is not ref}
+            rows.extend({"figure": "paired_by_seed", "panel": m, "group": group, "x": x, "mean": y, "std": math.nan,
+                         "n_seeds": 1} for group, pts in panels[m].items() for _, x, y in pts)
+        if any(pts for panel in panels.values() for pts in panel.values()):
+            paths.append(plot_paired(out / "paired_by_seed.png", panels, ref.group, title_of(avg)))
     return paths, rows
 
 
@@ -150,4 +162,27 @@ def plot_sweep(path: Path, groups: Sequence[Group], panels: dict[str, dict[str, 
                 ax.minorticks_off()
             style_axes(ax, title=f"{average} {metric.capitalize()} (final)", xlabel=key, ylabel="accuracy")
         fig.suptitle(f"Final {average} accuracy vs {key}")
+        return save_figure(fig, path)
+
+
+def plot_paired(path: Path, panels: dict[str, dict[str, list[tuple[int, float, float]]]], reference: str,
+                average: str) -> Path:
+    """Each group's final `average` accuracy against the reference's, one point per seed (metric -> group ->
+    [(seed, reference's, group's)]): above the diagonal, the group did better on that seed."""
+    with figure_context():
+        colors = distinct_colors([g for panel in panels.values() for g in panel])
+        fig, axes = new_figure(1, len(panels), width=4.2, height=4.0)
+        for ax, (metric, by_group) in zip(axes.flat, panels.items(), strict=True):
+            values = [v for pts in by_group.values() for _, x, y in pts for v in (x, y)]
+            if values:
+                low, high = min(values), max(values)
+                pad = 0.05 * (high - low or 1.0)
+                ax.plot([low - pad, high + pad], [low - pad, high + pad], color="0.6", lw=1, ls="--")
+            for group, pts in by_group.items():
+                ax.scatter([x for _, x, _ in pts], [y for _, _, y in pts], s=16, color=colors[group], alpha=0.8,
+                           label=f"{group} ({len(pts)} seeds)")
+            style_axes(ax, title=f"{average} {metric.capitalize()} (final), per seed", xlabel=reference,
+                       ylabel="other objective")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"Paired by seed against {reference}")
         return save_figure(fig, path)

@@ -197,7 +197,8 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
     (m0, m1), rl, ev, data = (m.capitalize() for m in metrics), cfg["rl"], cfg["eval"], cfg["data"]
     finished_reference = any(g.group == reference for g in groups)
     diffs = paired_comparisons(groups, reference) if finished_reference else []
-    figs, curve_rows = make_figures(groups, splits, metrics, out / "figures", window)
+    figs, curve_rows = make_figures(groups, splits, metrics, out / "figures", window,
+                                    reference if finished_reference else None)
     start = start_stats(groups, splits, metrics[0])
     missing = [s.run_id for s in planned if s.run_id not in {r.spec.run_id for r in records}]
     text = findings(groups, splits, metrics, len(planned), len(records), rl.get("eval_every"), reference, diffs)
