@@ -136,6 +136,9 @@ def test_evaluate_scores_scripted_completions_exactly():
     assert result.samples["hard"][0]["scores"] == [1.0, 1.0, 0.0, 0.0]
     assert result.flat_metrics()["eval/easy/pass@4"] == pytest.approx(0.5)
     assert result.curves["easy"]["pass"][0] == pytest.approx(3 / 8)
+    # per-problem solve counts, kept in the evaluation's file (problems solved by neither / every sample)
+    assert result.solved == {"easy": [3, 0], "hard": [2]}
+    assert result.to_dict()["solved"] == result.solved
 
 
 def test_evaluate_without_answer_fallback_requires_a_boxed_answer():

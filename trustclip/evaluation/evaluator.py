@@ -38,6 +38,7 @@ class EvalResult:
     elapsed_s: float
     step: int | None = None
     completion_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    solved: dict[str, list[int]] = field(default_factory=dict)  # benchmark -> correct samples of each problem, in order
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """`{"eval/<benchmark>/mean@8": ...}` for trainer logging."""
@@ -47,7 +48,7 @@ class EvalResult:
         """Everything but the samples (`write_report` puts those in samples.jsonl)."""
         return {"model": self.model, "step": self.step, "backend": self.backend, "seed": self.config.seed,
                 "elapsed_s": self.elapsed_s, "metrics": self.metrics, "curves": self.curves,
-                "completion_stats": self.completion_stats}
+                "completion_stats": self.completion_stats, "solved": self.solved}
 
 
 def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str, Any]]],
@@ -63,7 +64,7 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     if empty := [name for name, rows in benchmarks.items() if not rows]:
         raise ValueError(f"benchmark {empty[0]!r} has no rows")
     t0 = time.perf_counter()
-    metrics, curves, samples, stats = {}, {}, {}, {}
+    metrics, curves, samples, stats, solved = {}, {}, {}, {}, {}
     prompts = {name: [format_prompt(r["problem"], tokenizer, config.prompt_style, config.system_prompt) for r in rows]
                for name, rows in benchmarks.items()}
     generated = (_generate_once(generate_fn, prompts, tokenizer) if generate_fn is not None
@@ -76,6 +77,7 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
         scores = iter(score_completions(flat, answers, timeout=config.reward_timeout, fallback=config.answer_fallback))
         correct = [[next(scores) for _ in group] for group in completions]
         metrics[name] = benchmark_metrics(correct, [config.k])
+        solved[name] = [sum(bool(c) for c in group) for group in correct]  # per-problem solve rates, from the files
         curves[name] = metric_curves(correct)
         samples[name] = [
             {"id": r.get("id"), "answer": r["answer"], "prompt": p, "completions": [c.text for c in g],
@@ -88,7 +90,7 @@ def evaluate(model: Any, tokenizer: Any, benchmarks: dict[str, Sequence[dict[str
     name = model_name or getattr(model, "name_or_path", None) or type(model).__name__
     backend = "custom" if generate_fn is not None else "hf"
     return EvalResult(str(name), config, metrics, curves, samples, backend, time.perf_counter() - t0, step,
-                      {b: v for b, v in stats.items() if v})
+                      {b: v for b, v in stats.items() if v}, solved)
 
 
 def _generate_hf_each(model: Any, tokenizer: Any, prompts: dict[str, list[str]],
