@@ -131,8 +131,8 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
     from peft import LoraConfig
 
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
 
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(MODEL)

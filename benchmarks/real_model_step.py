@@ -85,7 +85,7 @@ def worker(name: str, recipe: str, steps: int, threads: int, scratch: Path) -> d
 
     torch.set_num_threads(threads)
     from trustclip.train.stages import grpo_config, load_policy, lora_config, rl_dataset
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     config = recipe_config(recipe, CONFIGS[name], steps, scratch)
     model, tokenizer = load_policy(config.model.name_or_path, config)

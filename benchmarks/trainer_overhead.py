@@ -38,7 +38,7 @@ def build_trainer(kind: str, model, tokenizer, dataset, reward, objective: str, 
     clip_higher + token_mean); both with Dr.GRPO advantages (R - group mean)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
 
     if kind == "trl":
         args = GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="none", **common)
@@ -60,7 +60,7 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
 
     from trustclip.data import build_prompt_rows, make_synthetic_splits
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers.compat import checkpointing_off
+    from trustclip.integrations.trl.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     rows = build_prompt_rows(make_synthetic_splits(0, n_train=512, n_eval=1)["train"], tokenizer)
@@ -108,7 +108,7 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, de
     from datasets import Dataset
 
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers.compat import checkpointing_off
+    from trustclip.integrations.trl.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     common = dict(output_dir="/tmp/trustclip-bench-micro", per_device_train_batch_size=32, num_generations=8,

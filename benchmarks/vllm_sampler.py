@@ -55,7 +55,7 @@ def generation_worker(sampler: str, recipe: str, batches: int) -> dict:
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if isinstance(p, list)
              else p for p in prompts]
     if sampler == "vllm":
-        from trustclip.trainers.vllm_engine import prepare_cpu_engine
+        from trustclip.integrations.trl.vllm_engine import prepare_cpu_engine
 
         prepare_cpu_engine()
         from vllm import LLM, SamplingParams

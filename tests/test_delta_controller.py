@@ -110,7 +110,7 @@ def test_bad_state_and_statistics_are_refused():
 def test_callback_moves_delta_once_per_generation_batch_from_its_off_policy_micro_batches():
     """Two optimizer steps of two micro-batches per generation batch: the first step's micro-batches (ratio 1) are
     not counted; the token-weighted mean of the others moves delta at the batch's last micro-batch."""
-    from trustclip.trainers.delta_control import DeltaControlCallback
+    from trustclip.integrations.trl.delta_control import DeltaControlCallback
 
     callback = DeltaControlCallback(DeltaController(delta=0.04, target_value=0.01), gradient_accumulation_steps=2,
                                     generate_every=4)
@@ -125,7 +125,7 @@ def test_callback_moves_delta_once_per_generation_batch_from_its_off_policy_micr
 def test_callback_writes_its_state_before_the_trainer_saves_and_loads_it_back(tmp_path):
     from types import SimpleNamespace
 
-    from trustclip.trainers.delta_control import DELTA_CONTROLLER_FILE, DeltaControlCallback
+    from trustclip.integrations.trl.delta_control import DELTA_CONTROLLER_FILE, DeltaControlCallback
 
     callback = DeltaControlCallback(DeltaController(delta=0.04), gradient_accumulation_steps=1, generate_every=2)
     callback.controller.update({"kl3_mean": 0.5})

@@ -200,7 +200,7 @@ def test_generation_dtype_samples_from_the_copy_and_keeps_the_ratio(tiny, tmp_pa
 
 
 def test_generation_dtype_is_checked(tmp_path):
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     with pytest.raises(ValueError, match="generation_dtype='int8' is invalid"):
         TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_dtype="int8")

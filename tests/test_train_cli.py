@@ -252,8 +252,8 @@ from accelerate import PartialState
 from datasets import Dataset
 from trustclip import compute_policy_loss, get_objective
 from trustclip.models import load_model_and_tokenizer
-from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-from trustclip.trainers.compat import checkpointing_off
+from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+from trustclip.integrations.trl.compat import checkpointing_off
 from trustclip.train.config import load_config
 from trustclip.train.pipeline import run_pipeline
 

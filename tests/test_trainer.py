@@ -14,7 +14,7 @@ pytest.importorskip("trl")
 
 from trustclip import compute_policy_loss, get_objective, list_objectives, ratio_bounds  # noqa: E402
 from trustclip.objectives.constraints import custom_divergence  # noqa: E402
-from trustclip.trainers.compat import checkpointing_off  # noqa: E402
+from trustclip.integrations.trl.compat import checkpointing_off  # noqa: E402
 
 PROMPTS = [f"Compute {a}+{b}. Answer in \\boxed{{}}.\n" for a, b in [(3, 4), (12, 7), (5, 9), (21, 30)]]
 
@@ -32,7 +32,7 @@ def tiny(tiny_model_path):
 
 
 def make_config(tmp_path, **overrides):
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     kwargs = dict(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -46,7 +46,7 @@ def make_config(tmp_path, **overrides):
 def make_trainer(tiny, tmp_path, reward=digit_reward, objective_object=None, **overrides):
     from datasets import Dataset
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
@@ -294,7 +294,7 @@ def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
 
 
 def test_translate_refuses_a_key_that_is_no_trl_loss_option():
-    from trustclip.trainers.trl_options import translate
+    from trustclip.integrations.trl.loss_options import translate
 
     with pytest.raises(ValueError, match=re.escape("not TRL loss options: ['loss_typ']")):
         translate({"loss_typ": "bnpo"})
@@ -302,7 +302,7 @@ def test_translate_refuses_a_key_that_is_no_trl_loss_option():
 
 def test_star_import_of_the_trainers_gives_the_lazy_names():
     namespace: dict = {}
-    exec("from trustclip.trainers import *", namespace)  # noqa: S102 - the public names a star import gives
+    exec("from trustclip.integrations.trl import *", namespace)  # noqa: S102 - the public names a star import gives
     assert {"TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"} <= namespace.keys()
 
 
@@ -313,7 +313,7 @@ def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny,
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -355,7 +355,7 @@ def test_explicit_trl_settings_mean_the_same_in_either_config_class(tmp_path, se
     latter with objective='atr'. Both now mean what TRL means, next to the objective that replaces TRL's clip."""
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True, bf16=False)
     plain = TrustClipGRPOConfig.from_grpo_config(GRPOConfig(**common, **settings), objective="atr")
@@ -372,14 +372,14 @@ def test_a_plain_grpo_config_and_a_trustclip_config_train_alike(tiny, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                   num_iterations=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
                   **checkpointing_off(), loss_type="grpo", scale_rewards="group")
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
-    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    logger = logging.getLogger("trustclip.integrations.trl.trainer")
     with _records(logger) as records:
         plain = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),
                                      train_dataset=dataset, processing_class=tokenizer, objective="atr")
@@ -400,7 +400,7 @@ def test_the_start_says_when_trustclips_defaults_replace_trls(tiny, tmp_path):
     on std-scaled advantages: the one start-up line says so."""
     import logging
 
-    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    logger = logging.getLogger("trustclip.integrations.trl.trainer")
     with _records(logger) as records:
         make_trainer(tiny, tmp_path, objective="atr")
     (line,) = [r.getMessage() for r in records if r.getMessage().startswith("trustclip trains")]
@@ -701,7 +701,7 @@ def test_slices_used_before_the_next_update_are_not_scored(tiny, tmp_path):
     (0, 1, 1, 1, [True]),
 ])
 def test_on_policy_slices_follow_the_schedule(micro_step, spg, accumulation, iterations, on_policy):
-    from trustclip.trainers.step_counts import StepCounts
+    from trustclip.integrations.trl.step_counts import StepCounts
 
     counts = StepCounts(steps_per_generation=spg, gradient_accumulation_steps=accumulation, num_iterations=iterations)
     assert counts.on_policy_slices(micro_step) == on_policy

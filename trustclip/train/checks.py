@@ -37,7 +37,7 @@ from trustclip.precision import resolve_bf16
 from trustclip.train.config import TrainConfig, changed_settings, read_run_config
 from trustclip.train.data import load_rows
 from trustclip.train.stages import grpo_config, sft_config
-from trustclip.trainers.trl_options import OPTIONS, spelled, translate
+from trustclip.integrations.trl.loss_options import OPTIONS, spelled, translate
 from trustclip.vllm_env import CPU_HEAD_DIMS
 
 

@@ -34,7 +34,7 @@ from trustclip.evaluation.config import EvalArgs
 from trustclip.models import TinyModelConfig
 from trustclip.options import STRICT, check, option
 from trustclip.rewards import DEFAULT_TIMEOUT
-from trustclip.trainers.trl_config import TrustClipGRPOConfig
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
 
 STAGES = ("sft", "rl", "eval")
 # Options that say how a run is driven, not what it computes: they may differ when a run is resumed, and compare leaves

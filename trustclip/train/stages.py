@@ -29,8 +29,8 @@ from trustclip.rewards import CorrectnessReward
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_rows
-from trustclip.trainers.compat import checkpointing_off
-from trustclip.trainers.trl_config import TrustClipGRPOConfig
+from trustclip.integrations.trl.compat import checkpointing_off
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
 
 Printer = Callable[[str], None]
 
@@ -209,7 +209,7 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
            benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]]) -> Any:
     """RLVR with the configured objective, evaluating `benchmarks` every rl.eval_every steps; returns the trainer
     (its model is the trained policy)."""
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     folder = out / "rl"
     trainer = TrustClipGRPOTrainer(

@@ -5,7 +5,7 @@ and changes that one step: the objective's per-token loss, aggregated with exact
 The rest follows TRL's loss: its methods where it has them (fused log-probs, the high-entropy and off-policy masks),
 its formulas where they are inline (vLLM importance weights, the k3 reference KL, the entropy bonus and its adaptive
 controller, whose state TRL saves, the MoE auxiliary loss, the metric names), each checked against TRL's own loss by
-the tests. The private TRL names used are listed in `trl_surface.py` and checked at start-up.
+the tests. The private TRL names used are listed in `surface.py` and checked at start-up.
 
 Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch serves more than one
 optimizer step (`num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`); otherwise every
@@ -32,20 +32,20 @@ from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, c
 from trustclip.objectives.adaptive import controller_for
 from trustclip.objectives.full_kl import CHUNK_ELEMENTS
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
-from trustclip.trainers.delta_control import DeltaControlCallback
-from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
-from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
-from trustclip.trainers.step_counts import StepCounts
-from trustclip.trainers.trl_config import (
+from trustclip.integrations.trl.delta_control import DeltaControlCallback
+from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
+from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
+from trustclip.integrations.trl.step_counts import StepCounts
+from trustclip.integrations.trl.config import (
     TrustClipGRPOConfig,
     check_delta_control,
     generation_period,
     on_policy_warning,
     settings_line,
 )
-from trustclip.trainers.trl_surface import check_trl_surface
-from trustclip.trainers.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
-from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
+from trustclip.integrations.trl.surface import check_trl_surface
+from trustclip.integrations.trl.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
+from trustclip.integrations.trl.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         eager = args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enforce_eager
         with engine_options(enforce_eager=True) if eager else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
-        check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (trl_surface.py)
+        check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (surface.py)
         if on_cpu:
             use_in_place_sync(self)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
@@ -165,7 +165,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
         """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`; see
-        `trustclip.trainers.zero_advantage`), counted over every process; logs the kept fraction."""
+        `trustclip.integrations.trl.zero_advantage`), counted over every process; logs the kept fraction."""
         kept, fraction = drop_zero_advantage(output, self.args.steps_per_generation, self._sum_over_processes)
         self._metrics["train"][names.KEPT_FRACTION].append(fraction)
         return kept

@@ -17,16 +17,16 @@ from trustclip.objectives.fused import DEFAULT_FUSED, fused_backend
 from trustclip.objectives.registry import is_finite_number, resolve_name
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.options import check, option
-from trustclip.trainers import trl_options
+from trustclip.integrations.trl import loss_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
-                  "computes, or refused (trustclip.trainers.trl_options).")
+                  "computes, or refused (trustclip.integrations.trl.loss_options).")
 
 
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
     r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options are honoured
-    where they are exactly a trustclip setting and refused otherwise (`trustclip.trainers.trl_options`), never
+    where they are exactly a trustclip setting and refused otherwise (`trustclip.integrations.trl.loss_options`), never
     ignored. Each field's documentation is its `help` (as TRL's configs, for `trustclip train --help`).
     """
 
@@ -73,7 +73,7 @@ class TrustClipGRPOConfig(GRPOConfig):
                               "(inductor; trustclip.objectives.fused): fewer kernel launches on a GPU, the same loss "
                               "and gradient to float rounding; the first step compiles it (seconds). clip_cov and "
                               "kl_cov have no fused path: an error.")
-    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
+    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.integrations.trl.loss_options)
     loss_type: str | None = option(None, _TRL_LOSS_HELP)
     epsilon: float | None = option(None, _TRL_LOSS_HELP)
     epsilon_high: float | None = option(None, _TRL_LOSS_HELP)
@@ -108,7 +108,7 @@ class TrustClipGRPOConfig(GRPOConfig):
         for f in fields(cls):
             if f.name not in trl_defaults:
                 setattr(new, f.name, f.default)
-            elif f.name in trl_options.OPTIONS and f.name not in trl_options.ALWAYS_MEANT and (
+            elif f.name in loss_options.OPTIONS and f.name not in loss_options.ALWAYS_MEANT and (
                     getattr(args, f.name) == trl_defaults[f.name]):
                 setattr(new, f.name, None)
         new.objective = objective
@@ -158,14 +158,14 @@ class TrustClipGRPOConfig(GRPOConfig):
                 "in trustclip; use objective='gspo' with importance_sampling_level='token'"
             )
         check_honoured_trl_options(self)
-        self.scale_rewards = trl_options.SCALE_REWARDS_OF[self.advantage_estimator]
+        self.scale_rewards = loss_options.SCALE_REWARDS_OF[self.advantage_estimator]
 
     def _apply_trl_loss_options(self) -> None:
         """objective / objective_kwargs / aggregation / advantage_estimator from TRL's loss options where those are
         given (`translate`); a contradiction with a trustclip field given here is an error naming both."""
-        given = {name: getattr(self, name) for name in trl_options.OPTIONS if getattr(self, name) is not None}
-        trl = trl_options.translate(given)
-        loss = trl_options.spelled({k: v for k, v in given.items() if k in trl_options.LOSS_OPTIONS})
+        given = {name: getattr(self, name) for name in loss_options.OPTIONS if getattr(self, name) is not None}
+        trl = loss_options.translate(given)
+        loss = loss_options.spelled({k: v for k, v in given.items() if k in loss_options.LOSS_OPTIONS})
         if trl.default_clip and self.objective is not None:  # the objective replaces TRL's clip, not its normaliser
             trl.objective, trl.objective_kwargs = None, {}
         if trl.objective is not None and self.objective is not None and (
@@ -278,7 +278,7 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
 
 def check_vllm_on_cpu(args: GRPOConfig) -> None:
     """ValueError for a vLLM setting that cannot run on a machine without a CUDA GPU."""
-    from trustclip.trainers.vllm_engine import CPU_BUILD, installed_vllm
+    from trustclip.integrations.trl.vllm_engine import CPU_BUILD, installed_vllm
 
     if args.vllm_mode == "server":
         raise ValueError("use_vllm=True with vllm_mode='server' needs a CUDA GPU (TRL sends the weights to the server "
