@@ -546,7 +546,7 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
     """Five seeds of clip, atr and a clip variant: the paired table and results.json carry the intervals computed from
     the runs' own numbers; results.csv holds the tidy table only."""
-    from trustclip.evaluation.paired_stats import paired_difference
+    from trustclip.compare.paired_stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
     finish_in_process(settings, monkeypatch)

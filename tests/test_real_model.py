@@ -156,9 +156,9 @@ def test_two_lora_rl_steps_on_the_real_model(smollm2_path, tmp_path, objective, 
     from peft import LoraConfig
 
     from trustclip.data import format_prompt
-    from trustclip.models import load_model_and_tokenizer
     from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
     from trustclip.integrations.trl.compat import checkpointing_off
+    from trustclip.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(SMOLLM2_MODEL_NAME)
     prompts = [format_prompt(f"Compute {a}+{b}.", tokenizer, style="math") for a, b in [(3, 4), (12, 7)]]

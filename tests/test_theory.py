@@ -285,4 +285,4 @@ def test_the_removed_theory_command_names_the_script(capsys):
 
     with pytest.raises(SystemExit) as stop:
         cli_main(["theory"])
-    assert stop.value.code == 2 and "python benchmarks/theory_check.py" in capsys.readouterr().err
+    assert stop.value.code == 2 and "python scripts/theory_check.py" in capsys.readouterr().err

@@ -102,9 +102,9 @@ def make_truly_trainer(tiny_model_path, tmp_path, storage):
     pytest.importorskip("trl")
     from datasets import Dataset
 
-    from trustclip.models import load_model_and_tokenizer
     from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
     from trustclip.integrations.trl.compat import checkpointing_off
+    from trustclip.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     args = TrustClipGRPOConfig(

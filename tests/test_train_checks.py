@@ -475,8 +475,8 @@ def test_trainer_configs_take_every_field_of_the_same_name():
 
 def test_a_help_rule_for_a_field_the_section_does_not_expose_is_refused():
     """RL_RULES-style notes name recipe fields; a misspelt or stale name would otherwise never reach `--help`."""
-    from trustclip.train.config import library_fields
     from trustclip.integrations.trl import TrustClipGRPOConfig
+    from trustclip.train.config import library_fields
 
     with pytest.raises(TypeError, match="max_grad_nrom"):
         library_fields(TrustClipGRPOConfig, {"max_grad_norm": 1.0}, {"max_grad_nrom": "> 0"})(type("Section", (), {}))
@@ -490,8 +490,8 @@ def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values()
 
     from trl import SFTConfig
 
-    from trustclip.train.config import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
     from trustclip.integrations.trl import TrustClipGRPOConfig
+    from trustclip.train.config import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
 
     for section, library, recipe, rules in ((SFTArgs, SFTConfig, SFT_RECIPE, {}),
                                             (RLArgs, TrustClipGRPOConfig, RL_RECIPE, RL_RULES)):

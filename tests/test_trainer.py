@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("trl")
 
 from trustclip import compute_policy_loss, get_objective, list_objectives, ratio_bounds  # noqa: E402
-from trustclip.objectives.constraints import custom_divergence  # noqa: E402
 from trustclip.integrations.trl.compat import checkpointing_off  # noqa: E402
+from trustclip.objectives.constraints import custom_divergence  # noqa: E402
 
 PROMPTS = [f"Compute {a}+{b}. Answer in \\boxed{{}}.\n" for a, b in [(3, 4), (12, 7), (5, 9), (21, 30)]]
 

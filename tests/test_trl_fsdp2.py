@@ -100,9 +100,9 @@ def run_variant(variant: str, fsdp2: bool, rollout: dict, model_path: str, out: 
     from datasets import Dataset
     from peft import LoraConfig
 
-    from trustclip.models import load_model_and_tokenizer
     from trustclip.integrations.trl import TrustClipGRPOConfig
     from trustclip.integrations.trl.compat import checkpointing_off
+    from trustclip.models import load_model_and_tokenizer
 
     fixed, shimmed = trainer_classes()
     world = int(os.environ.get("WORLD_SIZE", "1"))

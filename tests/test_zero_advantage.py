@@ -1,5 +1,5 @@
-"""DAPO's zero-advantage filter (trustclip.integrations.trl.zero_advantage) on its own, without TRL: which rows it keeps, the
-whole slices it fills, the counts it reduces over processes."""
+"""DAPO's zero-advantage filter (trustclip.integrations.trl.zero_advantage) on its own, without TRL: which rows it
+keeps, the whole slices it fills, the counts it reduces over processes."""
 
 from __future__ import annotations
 

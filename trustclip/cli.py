@@ -19,7 +19,7 @@ COMMANDS = {
     "eval": "Mean@K / Pass@K of a model on benchmarks",
     "compare": "multi-seed comparison of objectives, with report and figures",
 }
-REMOVED = {"theory": "the check of Theorems 5.1/5.2 is a script now: python benchmarks/theory_check.py"}
+REMOVED = {"theory": "the check of Theorems 5.1/5.2 is a script now: python scripts/theory_check.py"}
 
 
 def quiet_vllm() -> None:

@@ -1,6 +1,6 @@
 """`trustclip compare`: a multi-seed comparison of objectives with everything else held fixed. `run_compare` plans the
 experiment (plan.py), makes its unfinished runs (runner.py) and reports on the finished ones (results.py, report.py,
-figures.py; the statistics are trustclip.evaluation.paired_stats). The experiment is saved as compare.json in the
+figures.py; the statistics: paired_stats.py). The experiment is saved as compare.json in the
 output directory, so that `--report-only` (or a rerun without `--objectives`) reuses it."""
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS
 from trustclip.data.templates import format_prompt
 from trustclip.evaluation.generation import resolve_backend
 from trustclip.files import read_json
+from trustclip.integrations.trl.loss_options import OPTIONS, spelled, translate
 from trustclip.models import (
     TINY_MODEL_NAME,
     TinyModelConfig,
@@ -37,7 +38,6 @@ from trustclip.precision import resolve_bf16
 from trustclip.train.config import TrainConfig, changed_settings, read_run_config
 from trustclip.train.data import load_rows
 from trustclip.train.stages import grpo_config, sft_config
-from trustclip.integrations.trl.loss_options import OPTIONS, spelled, translate
 from trustclip.vllm_env import CPU_HEAD_DIMS
 
 

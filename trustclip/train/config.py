@@ -31,10 +31,10 @@ from trl import SFTConfig
 from trustclip.data.synthetic import LEVELS
 from trustclip.data.templates import resolve_template
 from trustclip.evaluation.config import EvalArgs
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
 from trustclip.models import TinyModelConfig
 from trustclip.options import STRICT, check, option
 from trustclip.rewards import DEFAULT_TIMEOUT
-from trustclip.integrations.trl.config import TrustClipGRPOConfig
 
 STAGES = ("sft", "rl", "eval")
 # Options that say how a run is driven, not what it computes: they may differ when a run is resumed, and compare leaves

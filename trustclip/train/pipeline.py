@@ -33,7 +33,8 @@ from accelerate import PartialState
 
 from trustclip.evaluation.evaluator import evaluate, evaluate_saved_vllm
 from trustclip.evaluation.metrics import AVERAGE
-from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from trustclip.files import write_json_atomic, write_text_atomic
+from trustclip.metrics_file import METRICS_FILE, drop_rows
 from trustclip.models import is_saved_model
 from trustclip.train.checks import check_run, eval_backend, run_generation_room
 from trustclip.train.config import TrainConfig
@@ -96,7 +97,7 @@ def prepare_output_dir(run: Run) -> None:
     """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
     (and those of every stage downstream of them) are removed, and config.yaml records the settings. Nothing
     else in output_dir is touched."""
-    config, out, metrics = run.config, run.out, run.out / "metrics.jsonl"
+    config, out, metrics = run.config, run.out, run.out / METRICS_FILE
     if not config.resume:  # a resumed run keeps its results and the config.yaml it was started with
         stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
         if stale and run.main:
@@ -107,7 +108,7 @@ def prepare_output_dir(run: Run) -> None:
             if run.main and stage in ("sft", "rl"):
                 shutil.rmtree(out / stage, ignore_errors=True)
                 if metrics.is_file():
-                    write_jsonl_atomic(metrics, [row for row in read_jsonl(metrics) if row.get("stage") != stage])
+                    drop_rows(metrics, stage)
             elif run.main:
                 (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
         if run.main:
@@ -173,9 +174,9 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
 
     summary = _summary(run, time.perf_counter() - t_start - sum(run.ran.values()))
     if run.main:
-        if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
+        if config.plots and "rl" in stages and (run.out / METRICS_FILE).is_file():
             try:
-                paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", config.rl.objective)
+                paths = plot_training_curves(run.out / METRICS_FILE, run.out / "plots", config.rl.objective)
                 run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
             except ValueError as err:  # e.g. an rl stage that logged nothing
                 run.print(f"[plots] skipped: {err}")

@@ -23,14 +23,15 @@ from trustclip.data import build_prompt_rows, sft_examples
 from trustclip.evaluation.config import EvalConfig
 from trustclip.evaluation.evaluator import evaluate
 from trustclip.files import read_json
+from trustclip.integrations.trl.compat import checkpointing_off
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
+from trustclip.metrics_file import METRICS_FILE
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
 from trustclip.precision import resolve_bf16
 from trustclip.rewards import CorrectnessReward
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 from trustclip.train.config import TrainConfig
 from trustclip.train.data import load_rows
-from trustclip.integrations.trl.compat import checkpointing_off
-from trustclip.integrations.trl.config import TrustClipGRPOConfig
 
 Printer = Callable[[str], None]
 
@@ -79,7 +80,7 @@ def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, out: Path, pri
     """Replace the Trainer's tqdm / dict printing by metrics.jsonl + compact progress lines."""
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(HFProgress)
-    trainer.add_callback(JsonlMetricsCallback(out / "metrics.jsonl", stage))
+    trainer.add_callback(JsonlMetricsCallback(out / METRICS_FILE, stage))
     if not config.quiet:
         trainer.add_callback(ProgressCallback(stage, every=getattr(config, stage).max_steps // 15, printer=printer))
 

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 from trl import GRPOConfig
 
+from trustclip.integrations.trl import loss_options
 from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
 from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
 from trustclip.objectives.fused import DEFAULT_FUSED, fused_backend
 from trustclip.objectives.registry import is_finite_number, resolve_name
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.options import check, option
-from trustclip.integrations.trl import loss_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
                   "computes, or refused (trustclip.integrations.trl.loss_options).")
@@ -73,7 +73,7 @@ class TrustClipGRPOConfig(GRPOConfig):
                               "(inductor; trustclip.objectives.fused): fewer kernel launches on a GPU, the same loss "
                               "and gradient to float rounding; the first step compiles it (seconds). clip_cov and "
                               "kl_cov have no fused path: an error.")
-    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.integrations.trl.loss_options)
+    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (loss_options.py)
     loss_type: str | None = option(None, _TRL_LOSS_HELP)
     epsilon: float | None = option(None, _TRL_LOSS_HELP)
     epsilon_high: float | None = option(None, _TRL_LOSS_HELP)

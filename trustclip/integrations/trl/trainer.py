@@ -28,14 +28,6 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanstd
 
 from trustclip import metric_names as names
-from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
-from trustclip.objectives.adaptive import controller_for
-from trustclip.objectives.full_kl import CHUNK_ELEMENTS
-from trustclip.objectives.statistics import reduce_statistics, token_statistics
-from trustclip.integrations.trl.delta_control import DeltaControlCallback
-from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
-from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
-from trustclip.integrations.trl.step_counts import StepCounts
 from trustclip.integrations.trl.config import (
     TrustClipGRPOConfig,
     check_delta_control,
@@ -43,9 +35,22 @@ from trustclip.integrations.trl.config import (
     on_policy_warning,
     settings_line,
 )
+from trustclip.integrations.trl.delta_control import DeltaControlCallback
+from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
+from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
+from trustclip.integrations.trl.step_counts import StepCounts
 from trustclip.integrations.trl.surface import check_trl_surface
-from trustclip.integrations.trl.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
+from trustclip.integrations.trl.vllm_engine import (
+    engine_options,
+    needs_cpu_engine,
+    prepare_cpu_engine,
+    use_in_place_sync,
+)
 from trustclip.integrations.trl.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
+from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
+from trustclip.objectives.adaptive import controller_for
+from trustclip.objectives.full_kl import CHUNK_ELEMENTS
+from trustclip.objectives.statistics import reduce_statistics, token_statistics
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ From each run it reads:
 - peak RSS of the run's process (os.wait4).
 Then the ratios hf / vllm (> 1: vLLM is faster). Targets (issue 41): evaluation >= 3x, one seed end to end >= 1.3x.
 
-    python benchmarks/vllm_sampler.py [--recipe recipes/smollm2_offpolicy8.yaml] [--rl-steps N] [--rounds 1]
+    python scripts/vllm_sampler.py [--recipe recipes/smollm2_offpolicy8.yaml] [--rl-steps N] [--rounds 1]
                                       [--seed 0] [--keep DIR]
 
 --rl-steps N shortens the RL stage (a quick look at the step and the evaluation); the end-to-end ratio is only the
