@@ -50,7 +50,7 @@ SCORE_EVERY_SLICE = set(list(CONFIGS)[:-1])
 
 
 def recipe_config(recipe: str, overrides: list[str], steps: int, out: Path):
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     config = load_config(recipe, [*overrides, f"output_dir={out}", f"rl.max_steps={steps}", "report_to=[]",
                                   "rl.skip_zero_advantage=false", "rl.save_steps=100000"])

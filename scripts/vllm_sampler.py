@@ -43,7 +43,7 @@ def generation_worker(sampler: str, recipe: str, batches: int) -> dict:
     import torch
 
     from trustclip.evaluation.generation import completion_mask
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
     from trustclip.train.stages import load_policy, rl_dataset
 
     config = load_config(recipe)

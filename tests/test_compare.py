@@ -25,7 +25,7 @@ from trustclip.compare import CompareSettings, plan_runs, run_compare
 from trustclip.compare.plan import base_config, parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import COMPARE_LOCK, ChangedRunError, execute
 from trustclip.files import read_jsonl, try_lock, write_json_atomic
-from trustclip.train.config import load_config
+from trustclip.settings import load_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = ("report.md", "results.json", "results.csv", "curves.csv", "compare.json", "compare_log.jsonl")
@@ -122,7 +122,7 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
     """A release that changes the RL / evaluation defaults must not orphan the SFT runs of a comparison."""
     import dataclasses
 
-    import trustclip.train.config as config_module
+    import trustclip.settings as config_module
     from trustclip.compare.runner import build_config
 
     sft = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]

@@ -182,7 +182,7 @@ def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, s
 
 
 def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     (tmp_path / "base.yaml").write_text("rl:\n  objective: kl3\n  objective_kwargs: {delta: 0.2}\n")
     (tmp_path / "child.yaml").write_text("base: base.yaml\nrl:\n  objective: truly_ppo\n")
@@ -211,7 +211,7 @@ def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_pa
     code, _, err = run_cli(["train", *tiny(tiny_model_path), "--output-dir", str(out), "--print-config"], capsys)
     assert code == 0, err
     out.mkdir()
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     (out / "config.yaml").write_text(__import__("yaml").safe_dump(load_config(None, [
         f"model.name_or_path={tiny_model_path}"], output_dir=str(out)).to_dict()))
@@ -225,7 +225,7 @@ def test_issue27_item16_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
 
     from trustclip.commands.eval import _model_path
     from trustclip.models import build_tiny_model, resolve_model_name
-    from trustclip.train.config import TrainConfig, load_config
+    from trustclip.settings import TrainConfig, load_config
 
     trained = build_tiny_model(**TrainConfig().model.tiny)  # what `trustclip train` builds for builtin:tiny
     assert Path(resolve_model_name("builtin:tiny")) == trained == build_tiny_model()  # what `trustclip eval` loads
@@ -455,7 +455,7 @@ def test_trainer_configs_take_every_field_of_the_same_name():
     the fields left out are exactly trustclip's own."""
     import dataclasses
 
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
     from trustclip.train.stages import grpo_config, sft_config
 
     config = load_config(None, ["rl.learning_rate=3e-5", "rl.steps_per_generation=2", "rl.top_k=5",
@@ -476,7 +476,7 @@ def test_trainer_configs_take_every_field_of_the_same_name():
 def test_a_help_rule_for_a_field_the_section_does_not_expose_is_refused():
     """RL_RULES-style notes name recipe fields; a misspelt or stale name would otherwise never reach `--help`."""
     from trustclip.integrations.trl import TrustClipGRPOConfig
-    from trustclip.train.config import library_fields
+    from trustclip.settings import library_fields
 
     with pytest.raises(TypeError, match="max_grad_nrom"):
         library_fields(TrustClipGRPOConfig, {"max_grad_norm": 1.0}, {"max_grad_nrom": "> 0"})(type("Section", (), {}))
@@ -491,7 +491,7 @@ def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values()
     from trl import SFTConfig
 
     from trustclip.integrations.trl import TrustClipGRPOConfig
-    from trustclip.train.config import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
+    from trustclip.settings import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
 
     for section, library, recipe, rules in ((SFTArgs, SFTConfig, SFT_RECIPE, {}),
                                             (RLArgs, TrustClipGRPOConfig, RL_RECIPE, RL_RULES)):
@@ -514,8 +514,8 @@ def test_a_resumed_run_keeps_its_stages(tmp_path):
     control: resuming a run with other stages is an error naming both values."""
     import yaml
 
+    from trustclip.settings import RUN_CONTROL, TrainConfig, load_config
     from trustclip.train.checks import check_output_dir
-    from trustclip.train.config import RUN_CONTROL, TrainConfig, load_config
 
     assert "stages" not in RUN_CONTROL
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(TrainConfig(stages=["sft", "rl"]).to_dict()))
@@ -525,7 +525,7 @@ def test_a_resumed_run_keeps_its_stages(tmp_path):
 
 
 def test_command_line_values_are_read_as_yaml_once():
-    from trustclip.train.config import parse_override, parse_value
+    from trustclip.settings import parse_override, parse_value
 
     assert [parse_value(v) for v in ("1e-5", "3", "true", "null", "[a, b]", "{k: 1}", "x", " ")] == [
         1e-5, 3, True, None, ["a", "b"], {"k": 1}, "x", ""]
@@ -578,7 +578,7 @@ def test_the_prompt_length_check_reads_an_adapters_tokenizer_from_its_base_when_
                                                                                             tmp_path):
     """A LoRA adapter folder saved without a tokenizer (training loads its base's): the base's positions and
     tokenizer decide, and the message names the adapter."""
-    from trustclip.train.checks import check_generation_room
+    from trustclip.input_checks import check_generation_room
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -8,9 +8,9 @@ import textwrap
 
 import yaml
 
+from trustclip.settings import STAGES, explicit_settings, from_dict, resume_config
 from trustclip.train import TrainConfig, check_run, option_table, run_pipeline
 from trustclip.train.checks import local_sources, run_generation_room
-from trustclip.train.config import STAGES, explicit_settings, from_dict, resume_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_prompts(config: TrainConfig) -> None:
     """The run's own prompt-length check (`run_pipeline` runs it once the rows are read), on local data."""
-    from trustclip.train.data import load_benchmarks
+    from trustclip.run_data import load_benchmarks
     from trustclip.train.stages import rl_rows
 
     run_generation_room(config, rl_rows(config) if "rl" in config.stages else None,

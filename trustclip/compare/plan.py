@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dotted, parse_value, set_dotted
+from trustclip.settings import RUN_CONTROL, TrainConfig, from_dict, get_dotted, parse_value, set_dotted
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
@@ -194,7 +194,7 @@ def parse_sweep(text: str | None) -> Sweep | None:
 def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
     """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict; where
     rl.eval_every is 0 and --set does not say so, EVAL_POINTS periodic evaluations (the accuracy-vs-step figure)."""
-    from trustclip.train.config import load_config, parse_override
+    from trustclip.settings import load_config, parse_override
 
     keys = [parse_override(text)[0] for text in overrides]
     for text, key in zip(overrides, keys, strict=True):

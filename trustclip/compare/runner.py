@@ -22,7 +22,7 @@ from typing import Any
 
 from trustclip.compare.plan import SPEC_FILE, RunSpec
 from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
-from trustclip.train.config import TrainConfig, from_dict
+from trustclip.settings import TrainConfig, from_dict
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK, SUMMARY_FILE = "compare_log.jsonl", "worker.log", ".compare.lock", "summary.json"
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL

@@ -8,8 +8,8 @@ pipeline SFT for format -> RLVR -> evaluation.
 `check_run(config)`, its first step, checks everything the run needs without doing any of it.
 """
 
+from trustclip.settings import STAGES, TrainConfig, load_config, option_table
 from trustclip.train.checks import check_run
-from trustclip.train.config import STAGES, TrainConfig, load_config, option_table
 from trustclip.train.pipeline import run_pipeline
 
 __all__ = ["STAGES", "TrainConfig", "check_run", "load_config", "option_table", "run_pipeline"]

@@ -36,14 +36,12 @@ from trustclip.evaluation.metrics import AVERAGE
 from trustclip.files import write_json_atomic, write_text_atomic
 from trustclip.metrics_file import METRICS_FILE, drop_rows
 from trustclip.models import is_saved_model
+from trustclip.run_data import load_benchmarks
+from trustclip.settings import TrainConfig, eval_config, model_dtype
 from trustclip.train.checks import check_run, eval_backend, run_generation_room
-from trustclip.train.config import TrainConfig
-from trustclip.train.data import load_benchmarks
 from trustclip.train.plots import plot_training_curves
 from trustclip.train.stages import (
-    eval_config,
     load_policy,
-    model_dtype,
     policy_source,
     rl_rows,
     run_rl,

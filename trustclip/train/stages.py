@@ -20,7 +20,6 @@ from transformers.trainer_utils import sort_checkpoints
 from trl import SFTConfig
 
 from trustclip.data import build_prompt_rows, sft_examples
-from trustclip.evaluation.config import EvalConfig
 from trustclip.evaluation.evaluator import evaluate
 from trustclip.files import read_json
 from trustclip.integrations.trl.compat import checkpointing_off
@@ -29,21 +28,14 @@ from trustclip.metrics_file import METRICS_FILE
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
 from trustclip.precision import resolve_bf16
 from trustclip.rewards import CorrectnessReward
+from trustclip.run_data import load_rows
+from trustclip.settings import TrainConfig, eval_config, model_dtype
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
-from trustclip.train.config import TrainConfig
-from trustclip.train.data import load_rows
 
 Printer = Callable[[str], None]
 
 
 # ------------------------------------------------------------------ models
-def model_dtype(config: TrainConfig) -> Any:
-    """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
-    return getattr(torch, config.model.dtype)
-
-
 def policy_source(name_or_path: str | Path, config: TrainConfig) -> str:
     """Where the run's model `name_or_path` loads from: `builtin:tiny` at the run's shape (model.tiny; built once
     and cached per shape), anything else as named."""
@@ -226,12 +218,3 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
         printer(f"[rl] resuming from {checkpoint}")
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
-
-
-# ------------------------------------------------------------------ evaluation
-def eval_config(config: TrainConfig) -> Any:
-    """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
-    return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
-                      prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
-                      answer_fallback=config.data.answer_fallback,
-                      reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)

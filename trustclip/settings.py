@@ -1,6 +1,7 @@
-"""Configuration of `trustclip train`: dataclasses (every field documented in its metadata), loaded from a YAML
-recipe and overridden with `--set section.key=value`. The defaults are the embedded CPU run (`trustclip train`
-with no arguments); recipes in `recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
+"""The settings of a run, which `trustclip train` runs, `trustclip eval` reads back and `trustclip compare` plans:
+dataclasses (every field documented in its metadata), loaded from a YAML recipe and overridden with `--set
+section.key=value`. The defaults are the embedded CPU run (`trustclip train` with no arguments); recipes in
+`recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
 
 Parsing and type checking are pydantic's (`from_dict`). HF's `HfArgumentParser` / TRL's `TrlParser` do not fit
 this layout: they give each dataclass field one flat `--name` (the SFT and RL sections share `learning_rate`,
@@ -30,10 +31,11 @@ from trl import SFTConfig
 
 from trustclip.data.synthetic import LEVELS
 from trustclip.data.templates import resolve_template
-from trustclip.evaluation.config import EvalArgs
+from trustclip.evaluation.config import EvalArgs, EvalConfig
 from trustclip.integrations.trl.config import TrustClipGRPOConfig
 from trustclip.models import TinyModelConfig
 from trustclip.options import STRICT, check, option
+from trustclip.precision import resolve_bf16
 from trustclip.rewards import DEFAULT_TIMEOUT
 
 STAGES = ("sft", "rl", "eval")
@@ -532,3 +534,21 @@ def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
 def option_table() -> list[tuple[str, str, str]]:
     """(dotted name, default, help) of every option, for `--help`."""
     return [(name, repr(value), f.metadata.get("help", "")) for name, value, f in _options(TrainConfig())]
+
+
+# ------------------------------------------------------------------ settings derived for the stages
+def model_dtype(config: TrainConfig) -> Any:
+    """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
+    import torch
+
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return getattr(torch, config.model.dtype)
+
+
+def eval_config(config: TrainConfig) -> Any:
+    """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
+    return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
+                      prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
+                      answer_fallback=config.data.answer_fallback,
+                      reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)
