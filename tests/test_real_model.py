@@ -116,7 +116,7 @@ def _without_gguf(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
 
 
-def test_issue27_item9_a_converted_checkpoint_loads_without_gguf(monkeypatch, tmp_path, capsys):
+def test_a_converted_checkpoint_loads_without_gguf(monkeypatch, tmp_path, capsys):
     """gguf is needed only to convert: with the checkpoint already in the cache a missing gguf changes nothing;
     without it, the run is refused before any work, in one line naming the install command."""
     import trustclip.models as models

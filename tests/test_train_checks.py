@@ -135,7 +135,7 @@ ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print
 
 @pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
 @pytest.mark.parametrize("case", list(ISSUE27_TRAIN))
-def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
+def test_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
     """Issue 27's late or silent train inputs: one line naming the value, before any work, also --print-config."""
     needs = {"item8 liger": "liger_kernel", "item8 vllm": "vllm", "item8 deepspeed": "deepspeed",
              "item8 optimizer package": "bitsandbytes"}
@@ -161,7 +161,7 @@ def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_pa
 @pytest.mark.parametrize("spelling", [["--set", "rl.objective={name}"], ["--objective", "{name}"],
                                       ["--set", "rl={objective: {name}}"]])
 @pytest.mark.parametrize(("name", "delta"), [("atr_seq", 6e-8), ("truly_ppo", 0.03), ("kl3", 0.07)])
-def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, spelling):
+def test_naming_an_objective_gives_its_own_defaults(name, delta, spelling):
     import argparse
 
     from trustclip import get_objective
@@ -181,7 +181,7 @@ def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, s
         assert config.rl.objective_kwargs == {"delta": 0.5}  # in either order
 
 
-def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
+def test_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
     from trustclip.settings import load_config
 
     (tmp_path / "base.yaml").write_text("rl:\n  objective: kl3\n  objective_kwargs: {delta: 0.2}\n")
@@ -195,7 +195,7 @@ def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_p
     assert "objective: atr_seq\n  objective_kwargs: {}" in out
 
 
-def test_issue27_item11_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_path, capsys):
+def test_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "rl" / "final").mkdir(parents=True)
     (run / "rl" / "final" / "config.json").write_text("{}")
@@ -206,7 +206,7 @@ def test_issue27_item11_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_p
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
-def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_path, tmp_path, capsys):
+def test_resume_with_a_corrupt_state_names_the_file(tiny_model_path, tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_cli(["train", *tiny(tiny_model_path), "--output-dir", str(out), "--print-config"], capsys)
     assert code == 0, err
@@ -220,7 +220,7 @@ def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_pa
     assert code == 2 and f"{out / 'state.json'} (which stages finished) is not readable JSON" in err, stdout + err
 
 
-def test_issue27_item16_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
+def test_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
     from transformers import AutoConfig
 
     from trustclip.commands.eval import _model_path

@@ -348,3 +348,12 @@ def test_train_config_round_trips_through_yaml(tmp_path):
     path.write_text(yaml.safe_dump(config.to_dict()))
     assert load_config(path) == config
     assert isinstance(config, TrainConfig)
+
+
+def test_an_unknown_command_is_refused_naming_the_commands(capsys):
+    from trustclip.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["theory"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown command 'theory'; choose from objectives, bounds, train" in err

@@ -230,7 +230,7 @@ def test_matches_trl_builtin_loss(tiny, tmp_path, case):
 
 
 @pytest.mark.parametrize("case", [c for c in TRL_MATCHES if c not in ("gspo", "kl3=asymmetric dapo")])
-def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, tmp_path, case):
+def test_trl_loss_options_are_honoured_as_trl_computes_them(tiny, tmp_path, case):
     """TRL's own loss options given to TrustClipGRPOConfig (no objective) train exactly TRL's loss: same loss and
     gradient as TRL's GRPOTrainer with the same options, not the default kl3."""
     objective, kwargs, aggregation, trl_config = TRL_MATCHES[case]
@@ -260,7 +260,7 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
     ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold=-1.0 is invalid"),
     ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min=0.5 is above entropy_coef_max=0.1"),
 ])
-def test_issue27_item1_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
+def test_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make_config(tmp_path, **options)
 
@@ -283,7 +283,7 @@ def test_a_temperature_that_cannot_sample_is_refused_with_the_config(tmp_path, t
         make_config(tmp_path, temperature=temperature)
 
 
-def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
+def test_trl_options_map_onto_the_named_objective(tmp_path):
     config = make_config(tmp_path, objective="clip", epsilon=0.3)  # the same objective: its epsilon, honoured
     assert (config.objective, config.objective_kwargs) == ("clip", {"epsilon": 0.3})
     config = make_config(tmp_path, epsilon=0.9, epsilon_high=5.0, scale_rewards="group")
@@ -306,7 +306,7 @@ def test_star_import_of_the_trainers_gives_the_lazy_names():
     assert {"TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"} <= namespace.keys()
 
 
-def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
+def test_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
     """The documented path TrustClipGRPOTrainer(model, args=GRPOConfig(...), objective=...) trains (it crashed at the
     first step), with trustclip's own fields at their defaults and TRL's loss_type / scale_rewards as TRL means them
     (its defaults: token_mean, grpo); its checks run when the trainer is built."""

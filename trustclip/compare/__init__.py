@@ -54,7 +54,7 @@ class CompareSettings(Experiment):
     threads_per_job: int | None = None
     dry_run: bool = False
     report_only: bool = False
-    pipeline: str | None = None
+    pipeline: str | None = None  # MODULE:FUNCTION in place of run_pipeline (the tests' stand-in); None: the real one
     # the report
     smooth: int | None = None
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first
