@@ -67,8 +67,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = build_config(args)
-        check_run(config)
+        checked = check_run(build_config(args))  # the one check of the run, in this process
+        config = checked.config
         if args.print_config and local_sources(config):  # the prompts are known: would they fit the model?
             _check_prompts(config)
     except (ValueError, FileNotFoundError) as err:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     try:
-        run_pipeline(config)
+        run_pipeline(checked)
     except (ValueError, OSError) as err:  # OSError: FileNotFoundError too
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 1

@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import re
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from trustclip.input_checks import (
     check_source,
     check_writable_dir,
 )
-from trustclip.integrations.trl.loss_options import OPTIONS, spelled, translate
+from trustclip.integrations.trl.loss_options import OPTIONS, refuse_second_spelling
 from trustclip.models import (
     TINY_MODEL_NAME,
     TinyModelConfig,
@@ -41,8 +40,20 @@ from trustclip.train.stages import grpo_config, sft_config
 from trustclip.vllm_env import CPU_HEAD_DIMS
 
 
-def check_run(config: TrainConfig) -> None:
-    """Raise ValueError / FileNotFoundError naming the first setting the run cannot work with."""
+@dataclass(frozen=True)
+class CheckedRun:
+    """A run's settings as `check_run` passed them: the config and the TRL configs of its training stages, each built
+    once (TRL's checks and trustclip's run when they are built). `run_pipeline` runs it; the stages' trainers receive
+    `sft` and `rl` as they are."""
+
+    config: TrainConfig
+    sft: Any = None  # TRL's SFTConfig of the sft stage; None without one
+    rl: Any = None  # the TrustClipGRPOConfig of the rl stage (its objective resolved and checked); None without one
+
+
+def check_run(config: TrainConfig) -> CheckedRun:
+    """Everything the run needs, checked before any work: ValueError / FileNotFoundError naming the first setting the
+    run cannot work with. Returns the run with its stages' TRL configs, built here once."""
     stages = config.stages
     if not stages:
         raise ValueError("stages: no stage left to run")
@@ -56,16 +67,16 @@ def check_run(config: TrainConfig) -> None:
     if config.evaluates:
         check_benchmarks(config)
         eval_backend(config)  # an explicit eval.backend=vllm that cannot run here
-    with tempfile.TemporaryDirectory() as scratch:  # TRL's configs want an output_dir; nothing is written to it
-        if "sft" in stages:
-            _trl_check(config, "sft", lambda: sft_config(config, Path(scratch)))
-        if "rl" in stages:
-            check_trl_kwargs(config)
-            _trl_check(config, "rl", lambda: grpo_config(config, Path(scratch)))
+    out = Path(config.output_dir)  # building a TRL config writes nothing to its output_dir
+    sft = _trl_config(config, "sft", lambda: sft_config(config, out / "sft")) if "sft" in stages else None
+    if "rl" in stages:
+        check_trl_kwargs(config)
+    rl = _trl_config(config, "rl", lambda: grpo_config(config, out / "rl")) if "rl" in stages else None
     if {"sft", "rl"} & set(stages):
         check_report_to(config.report_to)
     if config.model.lora and importlib.util.find_spec("peft") is None:
         raise ValueError("model.lora=true needs the peft package (pip install peft)")
+    return CheckedRun(config, sft, rl)
 
 
 def eval_backend(config: TrainConfig) -> str:
@@ -165,8 +176,9 @@ def local_sources(config: TrainConfig) -> bool:
 
 
 def check_trl_kwargs(config: TrainConfig) -> None:
-    """rl.trl_kwargs holds none of TRL's loss options: the rl section's objective, aggregation and advantage
-    estimator replace TRL's loss, so each is refused with the rl settings that compute what it means in TRL."""
+    """rl.trl_kwargs holds no TRL option the pipeline leaves without effect, and none of TRL's loss options: the rl
+    section always gives objective, aggregation and advantage estimator, so TRL's spelling of them is refused as the
+    library refuses it (`refuse_second_spelling`), naming the rl settings that compute what it means in TRL."""
     for key, value in config.rl.trl_kwargs.items():
         if key in NOT_APPLICABLE_HERE and value != NOT_APPLICABLE_HERE[key][0]:
             raise ValueError(f"rl.trl_kwargs.{key}={value!r}: {NOT_APPLICABLE_HERE[key][1]}")
@@ -174,13 +186,8 @@ def check_trl_kwargs(config: TrainConfig) -> None:
     if weights is not None and not (isinstance(weights, list) and len(weights) == 1):
         raise ValueError(f"rl.trl_kwargs.reward_weights={weights!r}: trustclip train has one reward function (the "
                          "verified answer), so give one weight, or none")
-    if given := {key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS}:
-        try:
-            equivalent = translate(given)
-        except ValueError as err:
-            raise ValueError(f"rl.trl_kwargs: {err}") from None
-        raise ValueError(f"rl.trl_kwargs: {spelled(given)} are TRL's loss options, which the trustclip objective "
-                         f"replaces; set {equivalent.as_settings('rl.')} instead")
+    refuse_second_spelling({key: value for key, value in config.rl.trl_kwargs.items() if key in OPTIONS},
+                           prefix="rl.")
 
 
 # TRL options that trustclip train's pipeline leaves without effect, or that fail only when RL starts: (the value that
@@ -197,26 +204,29 @@ NOT_APPLICABLE_HERE = {
 }
 
 
-def _trl_check(config: TrainConfig, section: str, build: Any) -> None:
-    """Build a stage's TRL config (its checks, and the objective's, run there); an error names the options as this
-    config spells them (`aggregation=` is `rl.aggregation=`, an rl.trl_kwargs key `rl.trl_kwargs.KEY=`)."""
+def _trl_config(config: TrainConfig, section: str, build: Any) -> Any:
+    """A stage's TRL config, built (TRL's checks and trustclip's run there); an error names the option as the recipe
+    spells it (`as_recipe_spells`)."""
     try:
-        build()
+        return build()
     except TypeError as err:  # an unknown keyword: from rl.trl_kwargs
         raise ValueError(f"{section}.trl_kwargs: {err}") from None
     except ImportError as err:  # e.g. a deepspeed config without deepspeed
         raise ValueError(f"{section}.trl_kwargs: a package is missing: {' '.join(str(err).split())}") from None
     except ValueError as err:
-        values = getattr(config, section)
-        dotted = {name: f"{section}.{name}" for name in dataclasses.asdict(values)}
-        dotted |= {name: f"{section}.trl_kwargs.{name}" for name in getattr(values, "trl_kwargs", {})}
-        names = re.findall(OPTION, str(err))
-        if not any(name in dotted for name in names):
-            raise ValueError(f"{section} (as TRL checks it): {err}") from None
-        raise ValueError(re.sub(OPTION, lambda m: f"{dotted.get(m[1], m[1])}=", str(err))) from None
+        raise ValueError(as_recipe_spells(str(err), section, getattr(config, section))) from None
 
 
-OPTION = re.compile(r"(?<![\w.])(\w+)=")  # `name=` in an error message
+def as_recipe_spells(message: str, section: str, values: Any) -> str:
+    """The one translation at the boundary with TRL's configs: their messages (TRL's and TrustClipGRPOConfig's) start
+    with the option they refuse as the config spells it (`aggregation='mean' is invalid`); the recipe spells it
+    `rl.aggregation` (a key of rl.trl_kwargs: `rl.trl_kwargs.KEY`). Any other message is said to be TRL's check."""
+    name = message.partition("=")[0]
+    if name in getattr(values, "trl_kwargs", {}):
+        return f"{section}.trl_kwargs.{message}"
+    if name in {f.name for f in dataclasses.fields(values)}:
+        return f"{section}.{message}"
+    return f"{section} (as TRL checks it): {message}"
 
 
 def check_report_to(report_to: list[str]) -> None:

@@ -38,7 +38,7 @@ from trustclip.metrics_file import METRICS_FILE, drop_rows
 from trustclip.models import is_saved_model
 from trustclip.run_data import load_benchmarks
 from trustclip.settings import TrainConfig, eval_config, model_dtype
-from trustclip.train.checks import check_run, eval_backend, run_generation_room
+from trustclip.train.checks import CheckedRun, check_run, eval_backend, run_generation_room
 from trustclip.train.plots import plot_training_curves
 from trustclip.train.stages import (
     load_policy,
@@ -115,13 +115,15 @@ def prepare_output_dir(run: Run) -> None:
     run.dist.wait_for_everyone()
 
 
-def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_pipeline(config: TrainConfig | CheckedRun, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the configured stages; returns (and writes) the summary dict. See the module docstring.
 
-    Everything is checked first (`check_run`), then every data row the run will use is read and validated, and
-    only then is a model loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
+    Everything is checked first (`check_run`; a `CheckedRun` was checked already, and its stages' TRL configs are the
+    ones the trainers receive), then every data row the run will use is read and validated, and only then is a model
+    loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
     t_start = time.perf_counter()
-    check_run(config)
+    checked = config if isinstance(config, CheckedRun) else check_run(config)
+    config = checked.config
     stages = config.stages
     sft_data = sft_rows(config) if "sft" in stages else None
     rl_data = rl_rows(config) if "rl" in stages else None
@@ -138,7 +140,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     if "sft" in stages and not run.done("sft"):
         t = time.perf_counter()
         run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
-        model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data)
+        model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data, args=checked.sft)
         if run.main:
             model.save_pretrained(str(sft_final))
             tokenizer.save_pretrained(str(sft_final))
@@ -157,7 +159,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         r = config.rl
         run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
                   f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
-        trainer = run_rl(model, tokenizer, config, run.out, run.print, benchmarks, rows=rl_data)
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, benchmarks, rows=rl_data, args=checked.rl)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if run.main:
             trainer.save_model(str(rl_final))

@@ -153,14 +153,16 @@ def sft_config(config: TrainConfig, folder: Path) -> Any:
 
 
 def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-            rows: list[dict[str, Any]]) -> Any:
-    """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model."""
+            rows: list[dict[str, Any]], args: Any = None) -> Any:
+    """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model. `args`: the
+    stage's SFTConfig as `check_run` built it (None: built here)."""
     from datasets import Dataset
     from trl import SFTTrainer
 
     examples = sft_examples(rows, tokenizer, style=config.data.prompt_style, system_prompt=config.data.system_prompt)
     folder = out / "sft"
-    trainer = SFTTrainer(model=model, args=sft_config(config, folder), train_dataset=Dataset.from_list(examples),
+    args = sft_config(config, folder) if args is None else args
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
     _quiet_trainer(trainer, "sft", config, out, printer)
     trainer.train(resume_from_checkpoint=last_checkpoint(folder, printer) if config.resume else None)
@@ -199,14 +201,15 @@ def reward_function(config: TrainConfig) -> Any:
 
 
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-           benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]]) -> Any:
+           benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]], args: Any = None) -> Any:
     """RLVR with the configured objective, evaluating `benchmarks` every rl.eval_every steps; returns the trainer
-    (its model is the trained policy)."""
+    (its model is the trained policy). `args`: the stage's TrustClipGRPOConfig as `check_run` built it, objective
+    resolved (None: built here)."""
     from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     folder = out / "rl"
     trainer = TrustClipGRPOTrainer(
-        model, reward_funcs=reward_function(config), args=grpo_config(config, folder),
+        model, reward_funcs=reward_function(config), args=grpo_config(config, folder) if args is None else args,
         train_dataset=rl_dataset(config, tokenizer, rows), processing_class=tokenizer, peft_config=lora_config(config),
     )
     _quiet_trainer(trainer, "rl", config, out, printer)

@@ -35,7 +35,7 @@ from trustclip.integrations.trl.config import (
     on_policy_warning,
     settings_line,
 )
-from trustclip.integrations.trl.delta_control import DeltaControlCallback
+from trustclip.integrations.trl.delta_control import DeltaControlCallback, controller_for
 from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
 from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
 from trustclip.integrations.trl.step_counts import StepCounts
@@ -47,9 +47,9 @@ from trustclip.integrations.trl.vllm_engine import (
     use_in_place_sync,
 )
 from trustclip.integrations.trl.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
-from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
-from trustclip.objectives.adaptive import controller_for
+from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss
 from trustclip.objectives.full_kl import CHUNK_ELEMENTS
+from trustclip.objectives.registry import resolve_name
 from trustclip.objectives.statistics import reduce_statistics, token_statistics
 
 logger = logging.getLogger(__name__)
@@ -76,10 +76,13 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             args = TrustClipGRPOConfig.from_grpo_config(
                 args, objective=objective.name if isinstance(objective, Objective) else objective)
         self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
-        self._objective = objective if isinstance(objective, Objective) else get_objective(
-            objective if objective is not None else args.objective, **args.objective_kwargs)
-        check_delta_control(args, self._objective.name)
-        self.delta_controller = controller_for(self._objective)  # atr_adaptive's state; None for other objectives
+        # the config resolved and checked its objective when it was built; one given here replaces it
+        self._objective = objective if isinstance(objective, Objective) else args.build_objective(
+            None if objective is None or objective == args.objective else objective)
+        if self._objective.name != resolve_name(args.objective).name:  # the config checked its own objective's batches
+            check_delta_control(args, self._objective.name)
+        # adaptive delta (atr_adaptive, or adaptive_delta with any objective that has a delta): None without it
+        self.delta_controller = controller_for(self._objective, args.adaptive_delta, args.adaptive_delta_kwargs)
         self._delta_callback = None
         if self.delta_controller is not None:
             self._delta_callback = DeltaControlCallback(
@@ -117,7 +120,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     @property
     def objective(self) -> Objective:
-        """The objective of the next update (atr_adaptive: at the controller's current delta)."""
+        """The objective of the next update (with adaptive delta: at the controller's current delta)."""
         return self._objective if self.delta_controller is None else self.delta_controller.objective
 
     # ------------------------------------------------------------------ generation side
@@ -439,7 +442,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return self._full_vocab(model, inputs, old=old, keep=keep, mode="train" if self.model.training else "eval",
                                 chunk_elements=CHUNK_ELEMENTS)
 
-    # ------------------------------------------------------------------ atr_adaptive: resume
+    # ------------------------------------------------------------------ adaptive delta: resume
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._delta_callback is not None and checkpoint is not None:

@@ -31,7 +31,7 @@ try:  # verl logs plugin import errors only at DEBUG: make them visible first
 
     from trustclip.metric_names import VERL_NAMES, objective_name
     from trustclip.objectives import REGISTRY, Objective, PolicyBatch, TokenLoss, compute_token_loss, get_objective
-    from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+    from trustclip.objectives.adaptive import carries_controller
     from trustclip.objectives.fused import DEFAULT_FUSED
     from trustclip.objectives.registry import ALIASES
     from trustclip.objectives.statistics import reduce_statistics, token_statistics
@@ -113,7 +113,7 @@ def build_objective(loss_mode: str, objective_kwargs: Any = None) -> Objective:
             "interface does not provide (verl passes only log-probs, advantages, the response mask and rollout "
             "IS weights). Use it through trustclip's TRL trainer, or pick another objective."
         )
-    if objective.name in ADAPTIVE_OBJECTIVES:
+    if carries_controller(objective):
         raise ValueError(f"{loss_mode} adapts delta between updates with a controller that needs the statistics of "
                          "whole updates, one value shared by every worker, and a place in the checkpoints; verl calls "
                          "a policy loss per micro-batch on each worker, with no step boundary and no checkpoint hook. "
