@@ -293,6 +293,32 @@ def test_trl_options_map_onto_the_named_objective(tmp_path):
     assert (config.objective, config.aggregation, config.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
 
 
+def test_trl_loss_options_beside_every_trustclip_setting_are_refused_naming_them(tmp_path):
+    """With objective, aggregation and advantage_estimator all given (as a trustclip train recipe gives them), TRL's
+    loss options could only spell them again: refused, as trustclip train refuses them, naming the settings."""
+    given = dict(objective="clip", aggregation="dr_grpo", advantage_estimator="dr_grpo")
+    with pytest.raises(ValueError, match=re.escape("epsilon=0.3 are TRL's loss options, which the trustclip objective "
+                                                   "replaces; set objective='clip', objective_kwargs={'epsilon': 0.3} "
+                                                   "instead")):
+        make_config(tmp_path, **given, epsilon=0.3)
+    with pytest.raises(ValueError, match=re.escape("loss_type='bnpo' normalises by the tokens of each micro-batch")):
+        make_config(tmp_path, **given, loss_type="bnpo")
+    assert make_config(tmp_path, objective="clip", aggregation="dr_grpo", epsilon=0.3).objective_kwargs == {
+        "epsilon": 0.3}  # a setting left unset: TRL's options fill it
+
+
+def test_the_config_resolves_its_objective_once_and_pickles_without_it(tmp_path):
+    """The trainer trains the Objective its config resolved when it was built; the Trainer pickles its args with
+    every checkpoint, without that Objective, and a loaded copy resolves the same one."""
+    import pickle
+
+    config = make_config(tmp_path, objective="kl3", objective_kwargs={"delta": 0.1})
+    assert config.build_objective() is config.build_objective()
+    loaded = pickle.loads(pickle.dumps(config))
+    assert "_resolved" not in vars(loaded) and loaded.build_objective() == config.build_objective()
+    assert dict(config.build_objective("atr").hparams) == {"delta": 0.1}  # another name, the same kwargs
+
+
 def test_translate_refuses_a_key_that_is_no_trl_loss_option():
     from trustclip.integrations.trl.loss_options import translate
 
