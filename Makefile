@@ -71,7 +71,7 @@ test-min: $(MIN_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The wheels benchmarks/gpu_check.sh needs on a GPU image that has torch, transformers, peft and accelerate but not
+# The wheels scripts/gpu_check.sh needs on a GPU image that has torch, transformers, peft and accelerate but not
 # TRL, datasets, pydantic or math-verify (Python 3.12): the versions of the lower-bound lock, which that image matches.
 GPU_WHEELS := trl datasets dill multiprocess pydantic pydantic-core annotated-types math-verify latex2sympy2-extended \
 	antlr4-python3-runtime

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRUSTCLIP_CACHE", tempfile.mkdtemp(prefix="trustclip-test-cache-"))
 
 # The check of the paper's Theorems 5.1 / 5.2 is a script beside the other benchmarks, not part of the library.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import pytest  # noqa: E402
 
@@ -24,7 +24,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test that takes `device` runs on the CPU and, where one is available, on the GPU too (no skipped copies on
-    a CPU-only machine; benchmarks/gpu_check.sh runs these on CUDA)."""
+    a CPU-only machine; scripts/gpu_check.sh runs these on CUDA)."""
     if "device" in metafunc.fixturenames:
         import torch
 

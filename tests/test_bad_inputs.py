@@ -179,8 +179,8 @@ def test_compare_execute_refuses_a_pool_that_could_never_run(bad, tmp_path):
 
 def test_load_benchmarks_refuses_a_name_given_twice():
     """A library caller that skipped check_run: the second benchmark must not silently replace the first."""
-    from trustclip.train.config import TrainConfig, from_dict
-    from trustclip.train.data import load_benchmarks
+    from trustclip.run_data import load_benchmarks
+    from trustclip.settings import TrainConfig, from_dict
 
     with pytest.raises(ValueError, match="benchmark name 'amc_like' given twice"):
         load_benchmarks(from_dict(TrainConfig, {"data": {"eval": ["builtin", "amc_like=builtin:amc_like"]}}))

@@ -25,7 +25,7 @@ from trustclip.compare import CompareSettings, plan_runs, run_compare
 from trustclip.compare.plan import base_config, parse_objectives, parse_seeds, parse_sweep, resolve_reference
 from trustclip.compare.runner import COMPARE_LOCK, ChangedRunError, execute
 from trustclip.files import read_jsonl, try_lock, write_json_atomic
-from trustclip.train.config import load_config
+from trustclip.settings import load_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = ("report.md", "results.json", "results.csv", "curves.csv", "compare.json", "compare_log.jsonl")
@@ -122,7 +122,7 @@ def test_shared_sft_survives_new_rl_and_eval_defaults(tmp_path, monkeypatch):
     """A release that changes the RL / evaluation defaults must not orphan the SFT runs of a comparison."""
     import dataclasses
 
-    import trustclip.train.config as config_module
+    import trustclip.settings as config_module
     from trustclip.compare.runner import build_config
 
     sft = plan_runs(["clip"], [0], tmp_path, overrides=["rl.max_steps=7", "eval.k=4"])[0]
@@ -241,7 +241,7 @@ def test_bad_input_is_a_clear_error(tmp_path, call, message):
     (lambda p: parse_sweep("objective=clip,kl3"), "objective is not a sweepable setting; list the objectives"),
     (lambda p: parse_sweep("output_dir=a,b"), "output_dir is not a sweepable setting"),
 ])
-def test_issue27_item14_a_setting_compare_sets_itself_is_not_sweepable(tmp_path, call, message):
+def test_a_setting_compare_sets_itself_is_not_sweepable(tmp_path, call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call(tmp_path)
 
@@ -261,51 +261,10 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert "clip/seed0" in capsys.readouterr().out
 
 
-def test_a_compare_json_saved_with_the_removed_hparam_option(tmp_path, capsys):
-    """A compare.json of a version that had --hparam is reused when it used none; one that used it is refused up
-    front, with its bracket form."""
-    old = {"objectives": ["atr"], "seeds": [0], "hparams": [], "share_sft": True}
-    write_json_atomic(tmp_path / "old" / "compare.json", {"experiment": old, **old})
-    assert cli_main(["compare", "--output-dir", str(tmp_path / "old"), "--dry-run"]) == 0
-    assert "atr/seed0" in capsys.readouterr().out
-    assert cli_main(["compare", "--output-dir", str(tmp_path / "old"), "--report-only"]) == 1  # nothing finished yet
-    assert "no finished runs yet" in capsys.readouterr().out
-    used = {**old, "hparams": ["atr.delta=0.1"]}
-    write_json_atomic(tmp_path / "used" / "compare.json", {"experiment": used, **used})
-    for flags in ([], ["--report-only"], ["--dry-run"]):
-        assert cli_main(["compare", "--output-dir", str(tmp_path / "used"), *flags]) == 2
-        err = capsys.readouterr().err
-        assert "--hparam atr.delta=0.1, an option that was removed" in err and "in brackets with --objectives" in err
-    assert not (tmp_path / "used" / "runs").exists()
-    # what the message asks for works: the experiment given again, in brackets
-    assert cli_main(["compare", "--output-dir", str(tmp_path / "used"), "--objectives", "atr[delta=0.1]", "--seeds",
-                     "1", "--report-only"]) == 1  # nothing finished yet
-    assert "no finished runs yet" in capsys.readouterr().out
-
-
-def test_a_compare_json_saved_with_the_removed_eval_every_option(tmp_path, capsys):
-    """--eval-every is now --set rl.eval_every: a saved experiment that used it is refused up front, saying so."""
-    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "eval_every": 3})
-    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 2
-    assert "--eval-every 3, an option that was removed" in capsys.readouterr().err
-    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "eval_every": None})
-    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 0
-
-
-def test_a_compare_json_saved_with_the_removed_no_share_sft_option(tmp_path, capsys):
-    """Every seed's runs now start RL from one SFT run: an experiment saved with --no-share-sft (its runs each did
-    their own SFT) is refused up front instead of being planned as other runs."""
-    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "share_sft": False})
-    assert cli_main(["compare", "--output-dir", str(tmp_path), "--report-only"]) == 2
-    assert "--no-share-sft, an option that was removed" in capsys.readouterr().err
-    write_json_atomic(tmp_path / "compare.json", {"objectives": ["clip"], "seeds": [0], "share_sft": True})
-    assert cli_main(["compare", "--output-dir", str(tmp_path), "--dry-run"]) == 0
-
-
 @pytest.mark.parametrize("removed", [["--hparam", "atr.delta=0.1"], ["--seed-list", "0,1"], ["--run-timeout", "60"],
                                      ["--progress-every", "5"], ["--restart-partial"], ["--redo-changed"],
                                      ["--eval-every", "5"], ["--no-share-sft"]])
-def test_removed_flags_are_refused(tmp_path, capsys, removed):
+def test_unknown_flags_are_refused_before_anything_is_written(tmp_path, capsys, removed):
     args = ["compare", "--objectives", "atr", *removed, "--output-dir", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as stop:
         cli_main(args)
@@ -326,7 +285,7 @@ def test_a_saved_list_of_seeds_is_reused(tmp_path, capsys):
                                            "--objectives"),
     (["--objectives", "clip[epsilon=0.3]", "--sweep", "epsilon=0.1,0.2"], "sets epsilon itself"),
 ])
-def test_issue27_items12_14_15_compare_refuses_before_any_run_also_dry_run(tmp_path, capsys, args, message):
+def test_compare_refuses_before_any_run_also_dry_run(tmp_path, capsys, args, message):
     objectives = [] if "--objectives" in args else ["--objectives", "clip"]
     for dry in ([], ["--dry-run"]):
         code = cli_main(["compare", *objectives, "--seeds", "1", *args, "--output-dir", str(tmp_path / "cmp"), *dry])
@@ -546,7 +505,7 @@ def test_sweep_report_states_the_trend(fake_env, monkeypatch):
 def test_paired_comparisons_intervals(fake_env, monkeypatch):
     """Five seeds of clip, atr and a clip variant: the paired table and results.json carry the intervals computed from
     the runs' own numbers; results.csv holds the tidy table only."""
-    from trustclip.evaluation.paired_stats import paired_difference
+    from trustclip.compare.paired_stats import paired_difference
 
     settings = fake_settings(fake_env, objectives=("clip", "atr", "clip[epsilon=0.3]"), seeds=FIVE)
     finish_in_process(settings, monkeypatch)
@@ -681,7 +640,7 @@ def test_compares_sharing_a_runs_dir_make_each_run_once(fake_env):
     assert saved["runs_dir"] == str(pool)  # a rerun without --objectives finds the same pool
 
 
-def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
+def test_a_runs_folder_follows_from_its_settings(tmp_path):
     def one(objectives, **kwargs):
         return rl_runs(objectives, [0], tmp_path, **kwargs)[0]
 
@@ -702,7 +661,7 @@ def test_issue27_item3_a_runs_folder_follows_from_its_settings(tmp_path):
     assert one(["dual_clip[clip_ratio_c=3]"]).run_dir == one(["dual_clip"]).run_dir  # its default
 
 
-def test_issue27_item3_pooled_compares_keep_their_own_runs_and_share_equal_ones(fake_env):
+def test_pooled_compares_keep_their_own_runs_and_share_equal_ones(fake_env):
     """A group changed by its brackets does not land in (or delete) another compare's plain run; the same settings
     written three ways are made once."""
     pool = fake_env.parent / "pool"
@@ -726,9 +685,10 @@ def test_killed_compare_leaves_its_worker_to_finish_and_the_rerun_skips_it(fake_
     pool's lock (a rerun meanwhile is refused, naming how to find it), and the rerun then starts nothing."""
     out = fake_env
     cmd = [sys.executable, "-m", "trustclip.cli", "compare", "--objectives", "atr", "--seeds", "1",
-           "--set", "eval.k=2", "--jobs", "1", "--pipeline", "fake_pipeline:pipeline", "--output-dir", str(out)]
+           "--set", "eval.k=2", "--jobs", "1", "--output-dir", str(out)]
     gate = out.parent / "gate"
-    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_GATE_kl3": str(gate)}, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env={**os.environ, "FAKE_GATE_kl3": str(gate),
+                                      "TRUSTCLIP_TEST_PIPELINE": "fake_pipeline:pipeline"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     orphan_dir = out / "runs" / "kl3" / "seed0"
     deadline = time.time() + 120

@@ -1,4 +1,4 @@
-"""The shims for transformers API renamed inside the supported range (trustclip/trainers/compat.py) work on the
+"""The shims for transformers API renamed inside the supported range (trustclip/integrations/trl/compat.py) work on the
 installed release: `make test` runs this at the lock's versions and `make test-min` at the declared lower bounds."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def test_checkpointing_off_turns_checkpointing_off_without_a_deprecation_warning
     (5.17 knows only `gradient_checkpointing`, 5.2x renamed it) and leave it off under every name the release has."""
     import trl
 
-    from trustclip.trainers.compat import checkpointing_off
+    from trustclip.integrations.trl.compat import checkpointing_off
 
     args = getattr(trl, config_class)(output_dir=str(tmp_path), use_cpu=True, report_to="none", **checkpointing_off())
     assert args.gradient_checkpointing is False

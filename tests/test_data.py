@@ -208,7 +208,7 @@ def test_benchmark_specs(tmp_path):
 @pytest.mark.parametrize(("stored", "written"), [
     (0.00001, "0.00001"), (1e-7, "0.0000001"), (2.5e-07, "0.00000025"), (-3e-6, "-0.000003"), (0.125, "0.125"),
 ])
-def test_issue27_item4_small_decimal_answers_keep_the_form_people_write(tmp_path, stored, written):
+def test_small_decimal_answers_keep_the_form_people_write(tmp_path, stored, written):
     """A JSON number answer is kept as positional decimal text (not '1e-05'), so a correct boxed answer scores 1."""
     from trustclip.rewards import score_completions
 
@@ -226,7 +226,7 @@ def _leveled(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "leveled.jsonl", rows)
 
 
-def test_issue27_item5_benchmark_filters_compare_json_values_over_several_fields(tmp_path):
+def test_benchmark_filters_compare_json_values_over_several_fields(tmp_path):
     path = _leveled(tmp_path)
     one = load_benchmark_specs([f"x={path}?level=1"])["x"]
     assert len(one) == 6 and {r["level"] for r in one} == {1}  # the 1.0 rows are level 1 too
@@ -247,7 +247,7 @@ def test_issue27_item5_benchmark_filters_compare_json_values_over_several_fields
     ("tag=1", r"no row has tag in \[1\]"),  # the number 1 is not the string "1"
     ("level=3&subject=Algebra", "no row matches every filter at once"),
 ])
-def test_issue27_item5_a_filter_value_that_matches_nothing_is_an_error(tmp_path, query, message):
+def test_a_filter_value_that_matches_nothing_is_an_error(tmp_path, query, message):
     path = _leveled(tmp_path)
     with pytest.raises(ValueError, match=message):
         load_benchmark_specs([f"x={path}?{query}"])

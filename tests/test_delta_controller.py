@@ -1,5 +1,6 @@
-"""atr_adaptive's DeltaController: the rule on synthetic update statistics, its state across a checkpoint, and its
-wiring in TrustClipGRPOTrainer (fed once per generation batch from the off-policy updates, saved, resumed)."""
+"""Adaptive delta: the DeltaController's rule on synthetic update statistics, its state across a checkpoint, the
+objectives it moves (atr_adaptive's own, and any other objective's delta), and its wiring in TrustClipGRPOTrainer
+(fed once per generation batch from the off-policy updates, saved, resumed)."""
 
 from __future__ import annotations
 
@@ -100,17 +101,41 @@ def test_bad_state_and_statistics_are_refused():
         with pytest.raises(ValueError, match="kl3_mean=.* must be a finite number >= 0"):
             controller.update({"kl3_mean": bad})
     assert controller.updates == 0 and controller.delta == 0.07  # nothing moved
-    with pytest.raises(ValueError, match=r"DeltaController needs one of \('atr_adaptive',\), got objective 'kl3'"):
-        DeltaController("kl3")
+    with pytest.raises(ValueError, match=r"objective 'clip' has none; objectives with one: .*kl3"):
+        DeltaController("clip")
     with pytest.raises(ValueError, match="delta range .* is empty"):
         DeltaController(delta_min=0.3, delta_max=0.2)
+
+
+def test_the_controller_moves_the_delta_of_any_objective_that_has_one():
+    """kl1 with the controller's settings given beside its own: the same rule moves its delta, and the objective it
+    hands out is kl1 at that delta, with the ratio region of that delta."""
+    from trustclip import get_objective, ratio_bounds
+
+    controller = DeltaController("kl1", delta=0.04, two_sided=True, target="clip_frac", target_value=0.02)
+    assert controller.settings == {"delta": 0.04, "target": "clip_frac", "target_value": 0.02, "delta_min": 0.005,
+                                   "delta_max": 0.5, "tolerance": 1.5, "factor": 2.0}
+    assert controller.update({"clip_frac": 0.5}) == 0.08  # too many tokens held: a wider region
+    objective = controller.objective
+    assert (objective.name, dict(objective.hparams)) == ("kl1", {"delta": 0.08, "two_sided": True})
+    assert ratio_bounds(objective) == ratio_bounds(get_objective("kl1", delta=0.08, two_sided=True))
+    assert ratio_bounds(objective) != ratio_bounds(get_objective("kl1", delta=0.04, two_sided=True))
+
+
+def test_controller_settings_of_another_objective_are_checked_like_atr_adaptives():
+    with pytest.raises(ValueError, match=r"adaptive delta of kl2: the delta range .* is empty"):
+        DeltaController("kl2", delta_min=0.3, delta_max=0.2)
+    with pytest.raises(ValueError, match=r"adaptive delta: factor=0.5 is invalid; it must be > 1.0"):
+        DeltaController("kl2", factor=0.5)
+    with pytest.raises(ValueError, match="unknown hyper-parameter"):  # an objective's own stay its own
+        DeltaController("kl2", epsilon=0.2)
 
 
 # ------------------------------------------------------------------ the TrainerCallback, without a trainer
 def test_callback_moves_delta_once_per_generation_batch_from_its_off_policy_micro_batches():
     """Two optimizer steps of two micro-batches per generation batch: the first step's micro-batches (ratio 1) are
     not counted; the token-weighted mean of the others moves delta at the batch's last micro-batch."""
-    from trustclip.trainers.delta_control import DeltaControlCallback
+    from trustclip.integrations.trl.delta_control import DeltaControlCallback
 
     callback = DeltaControlCallback(DeltaController(delta=0.04, target_value=0.01), gradient_accumulation_steps=2,
                                     generate_every=4)
@@ -125,7 +150,7 @@ def test_callback_moves_delta_once_per_generation_batch_from_its_off_policy_micr
 def test_callback_writes_its_state_before_the_trainer_saves_and_loads_it_back(tmp_path):
     from types import SimpleNamespace
 
-    from trustclip.trainers.delta_control import DELTA_CONTROLLER_FILE, DeltaControlCallback
+    from trustclip.integrations.trl.delta_control import DELTA_CONTROLLER_FILE, DeltaControlCallback
 
     callback = DeltaControlCallback(DeltaController(delta=0.04), gradient_accumulation_steps=1, generate_every=2)
     callback.controller.update({"kl3_mean": 0.5})
@@ -208,6 +233,50 @@ def test_batch_settings_it_cannot_control_are_refused(tmp_path):
     from trustclip import RatioInterval  # the window check must not trip a "general" objective given its constraint
 
     assert make_config(tmp_path, objective="general", objective_kwargs={"constraint": RatioInterval(0.8, 1.2)})
+
+
+def test_adaptive_delta_settings_are_checked_when_the_config_is_built(tmp_path):
+    with pytest.raises(ValueError, match="objective 'clip' has none"):
+        make_config(tmp_path, objective="clip", adaptive_delta=True)
+    with pytest.raises(ValueError, match=r"controller settings \['factor'\] are given, but adaptive_delta is off"):
+        make_config(tmp_path, objective="kl3", adaptive_delta_kwargs={"factor": 1.5})
+    with pytest.raises(ValueError, match=r"adaptive_delta_kwargs=.*the delta range \[delta_min=0.3, delta_max=0.2\]"):
+        make_config(tmp_path, objective="kl3", adaptive_delta=True,
+                    adaptive_delta_kwargs='{"delta_min": 0.3, "delta_max": 0.2}')
+    with pytest.raises(ValueError, match=r"'atr_adaptive' takes the controller's settings .* in objective_kwargs"):
+        make_config(tmp_path, objective="atr_adaptive", adaptive_delta_kwargs={"factor": 1.5})
+    with pytest.raises(ValueError, match="adaptive_delta=True moves delta once per generation batch.*must be a "
+                                         "multiple of gradient_accumulation_steps=2"):
+        make_config(tmp_path, objective="kl2", adaptive_delta=True, steps_per_generation=3,
+                    gradient_accumulation_steps=2, num_iterations=1)
+    assert make_config(tmp_path, objective="kl2", adaptive_delta=True).adaptive_delta_kwargs == {}
+
+
+def test_trainer_moves_the_delta_of_another_delta_objective(tiny, tmp_path):
+    """adaptive_delta on kl2: delta halves once per generation batch, as atr_adaptive's does, and the update trains
+    kl2 at the current delta."""
+    trainer = make_trainer(tiny, tmp_path, objective="kl2", objective_kwargs={"delta": 0.04}, adaptive_delta=True,
+                           adaptive_delta_kwargs={"target_value": 1e-8}, max_steps=4)
+    trainer.train()
+    assert _logged(trainer, "objective/delta") == [(1, 0.04), (2, 0.04), (3, 0.02), (4, 0.02)]
+    assert trainer.delta_controller.delta == 0.01 and trainer.delta_controller.updates == 2
+    assert (trainer.objective.name, dict(trainer.objective.hparams)) == ("kl2", {"delta": 0.01})
+
+
+def test_atr_adaptive_trains_as_kl3_with_adaptive_delta(tiny, tmp_path):
+    """The alias and the feature are one thing: the same deltas, losses and statistics step by step."""
+    from transformers import set_seed
+
+    set_seed(0)  # each run from the same random state: the same samples
+    alias = make_trainer(tiny, tmp_path / "alias", objective="atr_adaptive", objective_kwargs=HALVING, max_steps=4)
+    alias.train()
+    set_seed(0)
+    feature = make_trainer(tiny, tmp_path / "feature", objective="kl3", objective_kwargs={"delta": 0.04},
+                           adaptive_delta=True, adaptive_delta_kwargs={"target_value": 1e-8}, max_steps=4)
+    feature.train()
+    for key in ("objective/delta", "loss", "objective/kl3_mean", "objective/clip_frac"):
+        assert _logged(alias, key) == _logged(feature, key), key
+    assert alias.delta_controller.state_dict() == feature.delta_controller.state_dict()
 
 
 def test_sigkill_then_resume_continues_delta(tiny_model_path, tmp_path):

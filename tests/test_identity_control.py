@@ -43,8 +43,8 @@ def train_log(tiny, tmp_path, objective: str, kwargs: dict) -> list[dict]:
     """Per-step log of STEPS optimizer steps of `objective` from the tiny model, seed 0."""
     from datasets import Dataset
 
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
 
     model, tokenizer = tiny
     args = TrustClipGRPOConfig(

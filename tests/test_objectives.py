@@ -370,7 +370,7 @@ ESTIMATOR_CASES = [("kl1", 0.0111), ("kl2", 0.0112), ("kl3", 0.0113), ("is_kl3",
 @pytest.mark.parametrize("name,delta", ESTIMATOR_CASES)
 def test_divergence_bounds_are_solved_once_per_objective(name, delta, monkeypatch):
     """The Lambert-W / closed-form bounds of an estimator constraint are computed once per (estimator, delta), not on
-    every forward (issue 26, item 4)."""
+    every forward."""
     from trustclip.objectives import bounds as B
 
     solver = {"kl1": "kl1_bounds", "kl2": "kl2_bounds", "is_kl3": "is_kl3_bounds"}.get(name, "kl3_bounds")

@@ -90,7 +90,7 @@ def test_the_ratio_is_float32_under_bf16(tiny, tmp_path):
 
 @needs_bf16
 def test_bf16_trains_and_evaluates(tiny_model_path, tmp_path):
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
     from trustclip.train.pipeline import run_pipeline
 
     out = tmp_path / "run"
@@ -135,8 +135,8 @@ def test_bf16_resumes_bit_identically_after_a_kill(tiny_model_path, tmp_path):
 
 
 def test_bf16_on_a_cpu_without_bfloat16_is_refused_up_front(monkeypatch, tiny_model_path, tmp_path):
+    from trustclip.settings import load_config
     from trustclip.train.checks import check_run
-    from trustclip.train.config import load_config
 
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -200,14 +200,14 @@ def test_generation_dtype_samples_from_the_copy_and_keeps_the_ratio(tiny, tmp_pa
 
 
 def test_generation_dtype_is_checked(tmp_path):
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     with pytest.raises(ValueError, match="generation_dtype='int8' is invalid"):
         TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_dtype="int8")
 
 
 def test_bf16_in_trl_kwargs_points_to_the_top_level_setting():
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     with pytest.raises(ValueError, match=r"run-wide settings \(bf16: set them at the top level"):
         load_config(None, ["rl.trl_kwargs={bf16: true}"])

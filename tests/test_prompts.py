@@ -28,7 +28,7 @@ def prompts_of_every_stage(config, tokenizer, row):
 
 @pytest.mark.parametrize("system_prompt", [None, "", "Answer tersely."])
 def test_system_prompt_reaches_sft_rl_and_eval(tiny_model_and_tokenizer, system_prompt):
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     _, tokenizer = tiny_model_and_tokenizer
     overrides = [] if system_prompt is None else [f"data.system_prompt={system_prompt!r}"]

@@ -116,7 +116,7 @@ def _without_gguf(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
 
 
-def test_issue27_item9_a_converted_checkpoint_loads_without_gguf(monkeypatch, tmp_path, capsys):
+def test_a_converted_checkpoint_loads_without_gguf(monkeypatch, tmp_path, capsys):
     """gguf is needed only to convert: with the checkpoint already in the cache a missing gguf changes nothing;
     without it, the run is refused before any work, in one line naming the install command."""
     import trustclip.models as models
@@ -156,9 +156,9 @@ def test_two_lora_rl_steps_on_the_real_model(smollm2_path, tmp_path, objective, 
     from peft import LoraConfig
 
     from trustclip.data import format_prompt
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(SMOLLM2_MODEL_NAME)
     prompts = [format_prompt(f"Compute {a}+{b}.", tokenizer, style="math") for a, b in [(3, 4), (12, 7)]]

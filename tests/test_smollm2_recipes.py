@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from trustclip.data import load_benchmark_specs, load_prompts
-from trustclip.train.config import load_config
+from trustclip.settings import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_smollm2_recipes_load_with_lora_and_off_policy_updates(name):
 
 
 def test_gsm8k_recipe_reads_no_eval_set_for_training_and_its_benchmarks_load(shared_data_dir):
-    from trustclip.train.data import load_benchmarks
+    from trustclip.run_data import load_benchmarks
 
     config = load_config(ROOT / "recipes" / "smollm2_gsm8k.yaml")
     assert config.data.train == "openai/gsm8k" and config.data.train_split == "train"

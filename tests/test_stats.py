@@ -1,4 +1,4 @@
-"""The statistics of `trustclip compare` (trustclip/evaluation/paired_stats.py): coverage of the paired interval on
+"""The statistics of `trustclip compare` (trustclip/compare/paired_stats.py): coverage of the paired interval on
 synthetic seed results with a known effect, no call on a zero effect, seeds needed against textbook values.
 ~15 s (1,400 bootstraps)."""
 
@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from trustclip.compare.report import difference_sentence
-from trustclip.evaluation.paired_stats import (
+from trustclip.compare.paired_stats import (
     bootstrap_t_interval,
     log_scale,
     paired_difference,
@@ -19,6 +18,7 @@ from trustclip.evaluation.paired_stats import (
     stat,
     sweep_trend,
 )
+from trustclip.compare.report import difference_sentence
 
 EXPERIMENTS, SEEDS, EFFECT = 200, 5, 0.04  # 200 synthetic comparisons of 5 paired seeds, true effect +4 points
 NOISE = {  # per-seed noise of the difference (sd 0.02), centred so that the true mean difference is EFFECT

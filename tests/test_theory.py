@@ -278,11 +278,3 @@ def test_tabular_problem_validates():
         theory.surrogate_gradient(problem, setting.atr, step="adam")
     with pytest.raises(ValueError):
         theory.predicted_entropy_difference(problem, setting, 0.1, formula="second_order")
-
-
-def test_the_removed_theory_command_names_the_script(capsys):
-    from trustclip.cli import main as cli_main
-
-    with pytest.raises(SystemExit) as stop:
-        cli_main(["theory"])
-    assert stop.value.code == 2 and "python benchmarks/theory_check.py" in capsys.readouterr().err

@@ -102,9 +102,9 @@ def make_truly_trainer(tiny_model_path, tmp_path, storage):
     pytest.importorskip("trl")
     from datasets import Dataset
 
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     args = TrustClipGRPOConfig(
@@ -143,7 +143,7 @@ def test_chunked_forward_equals_the_full_logits_path(tiny_model_path, tmp_path, 
     """Old log-probs, entropies, the KL to pi_old (exact from the stored hidden states, or KL_k from the stored top-k)
     and its gradient equal the plain (B, T, V) computation, with the LM head split into many chunks (2 positions
     each), after an update of every weight (the LM head included: pi_old's head must be a frozen copy)."""
-    import trustclip.trainers.trl_trainer as module
+    import trustclip.integrations.trl.trainer as module
 
     trainer = make_truly_trainer(tiny_model_path, tmp_path, storage)
     model = trainer.model
@@ -189,7 +189,7 @@ def test_old_log_probs_come_from_the_scoring_path(tiny_model_path, tmp_path):
 
 def test_bad_storage_and_topk_name_the_value(tmp_path):
     pytest.importorskip("trl")
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     with pytest.raises(ValueError, match="full_kl_topk=0"):
         TrustClipGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, full_kl_topk=0)

@@ -89,56 +89,56 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-ISSUE27_TRAIN = {  # id: (arguments, message); each refused by train and --print-config, in one line
-    "item1 loss_type bnpo": (["--set", "rl.trl_kwargs={loss_type: bnpo}"],
+LATE_OR_SILENT_TRAIN_INPUTS = {  # id: (arguments, message); each refused by train and --print-config, in one line
+    "loss_type bnpo": (["--set", "rl.trl_kwargs={loss_type: bnpo}"],
                              "rl.trl_kwargs: loss_type='bnpo' normalises by the tokens of each micro-batch"),
-    "item1 loss_type nonsense": (["--set", "rl.trl_kwargs={loss_type: nonsense}"],
+    "loss_type nonsense": (["--set", "rl.trl_kwargs={loss_type: nonsense}"],
                                  "loss_type='nonsense' is not a TRL loss type"),
-    "item1 epsilon": (["--set", "rl.trl_kwargs={epsilon: 0.9, epsilon_high: 5.0}"],
+    "epsilon": (["--set", "rl.trl_kwargs={epsilon: 0.9, epsilon_high: 5.0}"],
                       "set rl.objective='clip_higher', rl.objective_kwargs={'epsilon_low': 0.9, 'epsilon_high': 5.0} "
                       "instead"),
-    "item1 TRL's delta": (["--set", "rl.trl_kwargs={delta: 2.0}"], "rl.objective='dual_clip'"),
-    "item1 loss_type dapo": (["--set", "rl.trl_kwargs={loss_type: dapo}"],
+    "TRL's delta": (["--set", "rl.trl_kwargs={delta: 2.0}"], "rl.objective='dual_clip'"),
+    "loss_type dapo": (["--set", "rl.trl_kwargs={loss_type: dapo}"],
                              "set rl.objective='clip', rl.objective_kwargs={'epsilon': 0.2}, "
                              "rl.aggregation='token_mean' instead"),
-    "item1 scale_rewards batch": (["--set", "rl.trl_kwargs={scale_rewards: batch}"],
+    "scale_rewards batch": (["--set", "rl.trl_kwargs={scale_rewards: batch}"],
                                   "scale_rewards='batch': trustclip has no advantage estimator"),
-    "item1 scale_rewards group": (["--set", "rl.trl_kwargs={scale_rewards: group}"],
+    "scale_rewards group": (["--set", "rl.trl_kwargs={scale_rewards: group}"],
                                   "set rl.advantage_estimator='grpo' instead"),
-    "item1 top_entropy_quantile": (["--set", "rl.trl_kwargs={top_entropy_quantile: 1.5}"],
+    "top_entropy_quantile": (["--set", "rl.trl_kwargs={top_entropy_quantile: 1.5}"],
                                    "top_entropy_quantile=1.5 is invalid: must be in [0, 1]"),
-    "item5 filter value": (["--set", "data.eval=['x={levels}?level=1,7']"], "no row has level in [7]"),
-    "item5 filter fields": (["--set", "data.eval=['x={levels}?level=1,2&subject=Algebra']"],
+    "filter value": (["--set", "data.eval=['x={levels}?level=1,7']"], "no row has level in [7]"),
+    "filter fields": (["--set", "data.eval=['x={levels}?level=1,2&subject=Algebra']"],
                             "no row has a field 'subject'"),
-    "item8 liger": (["--set", "rl.trl_kwargs={use_liger_kernel: true}"],
+    "liger": (["--set", "rl.trl_kwargs={use_liger_kernel: true}"],
                     "use_liger_kernel=True needs the liger_kernel package"),
-    "item8 vllm": (["--set", "rl.trl_kwargs={use_vllm: true}"], "use_vllm=True needs the vllm package"),
-    "item8 deepspeed": (["--set", "rl.trl_kwargs={deepspeed: {zero_optimization: {stage: 2}}}"],
+    "vllm": (["--set", "rl.trl_kwargs={use_vllm: true}"], "use_vllm=True needs the vllm package"),
+    "deepspeed": (["--set", "rl.trl_kwargs={deepspeed: {zero_optimization: {stage: 2}}}"],
                         "rl.trl_kwargs: a package is missing"),
-    "item8 optimizer package": (["--set", "rl.trl_kwargs={optim: adamw_bnb_8bit}"], "optim='adamw_bnb_8bit'"),
-    "item1 reward_weights": (["--set", "rl.trl_kwargs={reward_weights: [1.0, 2.0]}"],
+    "optimizer package": (["--set", "rl.trl_kwargs={optim: adamw_bnb_8bit}"], "optim='adamw_bnb_8bit'"),
+    "reward_weights": (["--set", "rl.trl_kwargs={reward_weights: [1.0, 2.0]}"],
                              "rl.trl_kwargs.reward_weights=[1.0, 2.0]: trustclip train has one reward function"),
-    "item1 chat_template_kwargs": (["--set", "rl.trl_kwargs={chat_template_kwargs: {enable_thinking: false}}"],
+    "chat_template_kwargs": (["--set", "rl.trl_kwargs={chat_template_kwargs: {enable_thinking: false}}"],
                                    "the RL prompts are written before TRL sees them"),
-    "item1 TRL's eval loop": (["--set", "rl.trl_kwargs={eval_strategy: steps, eval_steps: 5}"],
+    "TRL's eval loop": (["--set", "rl.trl_kwargs={eval_strategy: steps, eval_steps: 5}"],
                               "rl.trl_kwargs.eval_strategy='steps': trustclip train evaluates the held-out benchmarks "
                               "with rl.eval_every"),
-    "cast_lm_head_to_fp32 (issue 24)": (["--set", "rl.trl_kwargs={cast_lm_head_to_fp32: true}"],
+    "cast_lm_head_to_fp32": (["--set", "rl.trl_kwargs={cast_lm_head_to_fp32: true}"],
                                         "rl.trl_kwargs.cast_lm_head_to_fp32=True: the trainer computes the LM head, "
                                         "log-probs and ratio in float32 already"),
-    "item11 corrupt config.yaml": (["--resume", "--output-dir", "{corrupt}"],
+    "corrupt config.yaml": (["--resume", "--output-dir", "{corrupt}"],
                                    "{corrupt}/config.yaml is not a readable run configuration"),
-    "item11 config.yaml not a mapping": (["--resume", "--output-dir", "{listed}"],
+    "config.yaml not a mapping": (["--resume", "--output-dir", "{listed}"],
                                          "{listed}/config.yaml is not a run configuration"),
 }
 
 
 @pytest.mark.parametrize("print_config", [False, True], ids=["train", "print-config"])
-@pytest.mark.parametrize("case", list(ISSUE27_TRAIN))
-def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
-    """Issue 27's late or silent train inputs: one line naming the value, before any work, also --print-config."""
-    needs = {"item8 liger": "liger_kernel", "item8 vllm": "vllm", "item8 deepspeed": "deepspeed",
-             "item8 optimizer package": "bitsandbytes"}
+@pytest.mark.parametrize("case", list(LATE_OR_SILENT_TRAIN_INPUTS))
+def test_train_refuses_before_any_work(case, print_config, tiny_model_path, tmp_path, capsys):
+    """Inputs that once failed late or silently: one line naming the value, before any work, also --print-config."""
+    needs = {"liger": "liger_kernel", "vllm": "vllm", "deepspeed": "deepspeed",
+             "optimizer package": "bitsandbytes"}
     if case in needs and _installed(needs[case]):
         pytest.skip("the package is installed here")
     levels = tmp_path / "levels.jsonl"
@@ -147,7 +147,7 @@ def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_pa
     for name, text in (("corrupt", "rl: {objective: kl3\n  max_steps: [1\n"), ("listed", "- 1\n- 2\n")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.yaml").write_text(text)
-    args, message = ISSUE27_TRAIN[case]
+    args, message = LATE_OR_SILENT_TRAIN_INPUTS[case]
     places = {"levels": levels, "corrupt": tmp_path / "corrupt", "listed": tmp_path / "listed"}
     args, message = [fill(a, **places) for a in args], fill(message, **places)
     out = tmp_path / "run"
@@ -161,7 +161,7 @@ def test_issue27_train_refuses_before_any_work(case, print_config, tiny_model_pa
 @pytest.mark.parametrize("spelling", [["--set", "rl.objective={name}"], ["--objective", "{name}"],
                                       ["--set", "rl={objective: {name}}"]])
 @pytest.mark.parametrize(("name", "delta"), [("atr_seq", 6e-8), ("truly_ppo", 0.03), ("kl3", 0.07)])
-def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, spelling):
+def test_naming_an_objective_gives_its_own_defaults(name, delta, spelling):
     import argparse
 
     from trustclip import get_objective
@@ -181,8 +181,8 @@ def test_issue27_item2_naming_an_objective_gives_its_own_defaults(name, delta, s
         assert config.rl.objective_kwargs == {"delta": 0.5}  # in either order
 
 
-def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
-    from trustclip.train.config import load_config
+def test_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_path, capsys):
+    from trustclip.settings import load_config
 
     (tmp_path / "base.yaml").write_text("rl:\n  objective: kl3\n  objective_kwargs: {delta: 0.2}\n")
     (tmp_path / "child.yaml").write_text("base: base.yaml\nrl:\n  objective: truly_ppo\n")
@@ -195,7 +195,7 @@ def test_issue27_item2_a_recipe_naming_an_objective_gives_its_own_defaults(tmp_p
     assert "objective: atr_seq\n  objective_kwargs: {}" in out
 
 
-def test_issue27_item11_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_path, capsys):
+def test_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "rl" / "final").mkdir(parents=True)
     (run / "rl" / "final" / "config.json").write_text("{}")
@@ -206,12 +206,12 @@ def test_issue27_item11_eval_of_a_run_with_a_corrupt_config_names_the_file(tmp_p
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
-def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_path, tmp_path, capsys):
+def test_resume_with_a_corrupt_state_names_the_file(tiny_model_path, tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_cli(["train", *tiny(tiny_model_path), "--output-dir", str(out), "--print-config"], capsys)
     assert code == 0, err
     out.mkdir()
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     (out / "config.yaml").write_text(__import__("yaml").safe_dump(load_config(None, [
         f"model.name_or_path={tiny_model_path}"], output_dir=str(out)).to_dict()))
@@ -220,12 +220,12 @@ def test_issue27_item11_resume_with_a_corrupt_state_names_the_file(tiny_model_pa
     assert code == 2 and f"{out / 'state.json'} (which stages finished) is not readable JSON" in err, stdout + err
 
 
-def test_issue27_item16_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
+def test_builtin_tiny_is_one_model_for_train_and_eval(tmp_path):
     from transformers import AutoConfig
 
     from trustclip.commands.eval import _model_path
     from trustclip.models import build_tiny_model, resolve_model_name
-    from trustclip.train.config import TrainConfig, load_config
+    from trustclip.settings import TrainConfig, load_config
 
     trained = build_tiny_model(**TrainConfig().model.tiny)  # what `trustclip train` builds for builtin:tiny
     assert Path(resolve_model_name("builtin:tiny")) == trained == build_tiny_model()  # what `trustclip eval` loads
@@ -455,7 +455,7 @@ def test_trainer_configs_take_every_field_of_the_same_name():
     the fields left out are exactly trustclip's own."""
     import dataclasses
 
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
     from trustclip.train.stages import grpo_config, sft_config
 
     config = load_config(None, ["rl.learning_rate=3e-5", "rl.steps_per_generation=2", "rl.top_k=5",
@@ -473,35 +473,48 @@ def test_trainer_configs_take_every_field_of_the_same_name():
     assert grpo_config(config, Path("unused")).entropy_coef == 0.01  # rl.trl_kwargs on top
 
 
-def test_a_help_rule_for_a_field_the_section_does_not_expose_is_refused():
-    """RL_RULES-style notes name recipe fields; a misspelt or stale name would otherwise never reach `--help`."""
-    from trustclip.train.config import library_fields
-    from trustclip.trainers import TrustClipGRPOConfig
+def test_a_section_field_named_after_no_library_field_is_refused():
+    """A section field shared with TRL's config names that field; a misspelt or stale name would otherwise never reach
+    `--help` (nor TRL, which takes the fields by name)."""
+    from trustclip.integrations.trl import TrustClipGRPOConfig
+    from trustclip.settings import library_option
 
     with pytest.raises(TypeError, match="max_grad_nrom"):
-        library_fields(TrustClipGRPOConfig, {"max_grad_norm": 1.0}, {"max_grad_nrom": "> 0"})(type("Section", (), {}))
+        library_option(TrustClipGRPOConfig, "max_grad_nrom", rule="> 0")
+
+
+# The embedded CPU run's own values of the fields the sections share with TRL's configs; every other shared field
+# keeps the library's default.
+EMBEDDED_SFT = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant",
+                "per_device_train_batch_size": 64, "max_length": 256}
+EMBEDDED_RL = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosine",
+               "per_device_train_batch_size": 256, "objective": "kl3", "objective_kwargs": {"delta": 0.07},
+               "aggregation": "dr_grpo", "advantage_estimator": "dr_grpo", "num_generations": 4, "num_iterations": 2,
+               "temperature": 0.7, "max_completion_length": 32, "truncated_reward": 0.0, "skip_zero_advantage": True,
+               "save_steps": 50, "save_total_limit": 2, "logging_steps": 1, "vllm_mode": "colocate"}
 
 
 def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values():
-    """The sft / rl sections take each TRL / TrustClipGRPOConfig field they expose from the library (help and
-    default); the embedded run's own values are SFT_RECIPE / RL_RECIPE, and a plain TrustClipGRPOConfig keeps the
-    library's defaults."""
+    """The sft / rl sections take each TRL / TrustClipGRPOConfig field they share from the library (its help, then
+    trustclip train's rule if any, and its default unless the embedded run states its own value), and a plain
+    TrustClipGRPOConfig keeps the library's defaults."""
     import dataclasses
 
     from trl import SFTConfig
 
-    from trustclip.train.config import LIBRARY, RL_RECIPE, RL_RULES, SFT_RECIPE, RLArgs, SFTArgs
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
+    from trustclip.settings import RLArgs, SFTArgs
 
-    for section, library, recipe, rules in ((SFTArgs, SFTConfig, SFT_RECIPE, {}),
-                                            (RLArgs, TrustClipGRPOConfig, RL_RECIPE, RL_RULES)):
+    for section, library, own in ((SFTArgs, SFTConfig, EMBEDDED_SFT), (RLArgs, TrustClipGRPOConfig, EMBEDDED_RL)):
         declared = {f.name: f for f in dataclasses.fields(library)}
         built = section()
-        for name, value in recipe.items():
-            rule = f" In trustclip train: {rules[name]}." if name in rules else ""
-            help_text = dataclasses.fields(section)[list(recipe).index(name)].metadata["help"]
-            assert help_text == declared[name].metadata["help"] + rule, name
-            assert getattr(built, name) == (declared[name].default if value is LIBRARY else value), name
+        shared = [f for f in dataclasses.fields(section) if f.name in declared]
+        assert set(own) <= {f.name for f in shared}
+        for f in shared:
+            library_help = declared[f.name].metadata["help"]
+            assert f.metadata["help"] == library_help or f.metadata["help"].startswith(
+                library_help + " In trustclip train: "), f.name
+            assert getattr(built, f.name) == own.get(f.name, declared[f.name].default), f.name
     rl = RLArgs()
     assert (rl.skip_zero_advantage, rl.truncated_reward, rl.objective_kwargs) == (True, 0.0, {"delta": 0.07})
     plain = TrustClipGRPOConfig(output_dir="unused")
@@ -514,8 +527,8 @@ def test_a_resumed_run_keeps_its_stages(tmp_path):
     control: resuming a run with other stages is an error naming both values."""
     import yaml
 
+    from trustclip.settings import RUN_CONTROL, TrainConfig, load_config
     from trustclip.train.checks import check_output_dir
-    from trustclip.train.config import RUN_CONTROL, TrainConfig, load_config
 
     assert "stages" not in RUN_CONTROL
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(TrainConfig(stages=["sft", "rl"]).to_dict()))
@@ -525,7 +538,7 @@ def test_a_resumed_run_keeps_its_stages(tmp_path):
 
 
 def test_command_line_values_are_read_as_yaml_once():
-    from trustclip.train.config import parse_override, parse_value
+    from trustclip.settings import parse_override, parse_value
 
     assert [parse_value(v) for v in ("1e-5", "3", "true", "null", "[a, b]", "{k: 1}", "x", " ")] == [
         1e-5, 3, True, None, ["a", "b"], {"k": 1}, "x", ""]
@@ -578,7 +591,7 @@ def test_the_prompt_length_check_reads_an_adapters_tokenizer_from_its_base_when_
                                                                                             tmp_path):
     """A LoRA adapter folder saved without a tokenizer (training loads its base's): the base's positions and
     tokenizer decide, and the message names the adapter."""
-    from trustclip.train.checks import check_generation_room
+    from trustclip.input_checks import check_generation_room
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

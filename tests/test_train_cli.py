@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trustclip.train.config import TrainConfig, load_config, option_table
+from trustclip.settings import TrainConfig, load_config, option_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -31,7 +31,7 @@ def test_defaults_are_the_embedded_cpu_run():
 
 
 def test_builtin_rows_follow_the_data_options():
-    from trustclip.train.data import load_benchmarks, load_rows
+    from trustclip.run_data import load_benchmarks, load_rows
 
     config = load_config(None, ["data.builtin_n_train=50", "data.builtin_train_levels=[3,4]"])
     train = load_rows("builtin:train", config, split="train")
@@ -45,7 +45,7 @@ def test_builtin_rows_follow_the_data_options():
 
 
 def test_sft_takes_the_first_rows_of_the_rl_pool():
-    from trustclip.train.data import load_rows
+    from trustclip.run_data import load_rows
     from trustclip.train.stages import sft_rows
 
     default = load_config()
@@ -252,9 +252,9 @@ from accelerate import PartialState
 from datasets import Dataset
 from trustclip import compute_policy_loss, get_objective
 from trustclip.models import load_model_and_tokenizer
-from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-from trustclip.trainers.compat import checkpointing_off
-from trustclip.train.config import load_config
+from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+from trustclip.integrations.trl.compat import checkpointing_off
+from trustclip.settings import load_config
 from trustclip.train.pipeline import run_pipeline
 
 model_path, out, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -348,3 +348,12 @@ def test_train_config_round_trips_through_yaml(tmp_path):
     path.write_text(yaml.safe_dump(config.to_dict()))
     assert load_config(path) == config
     assert isinstance(config, TrainConfig)
+
+
+def test_an_unknown_command_is_refused_naming_the_commands(capsys):
+    from trustclip.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["theory"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "unknown command 'theory'; choose from objectives, bounds, train" in err

@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("trl")
 
 from trustclip import compute_policy_loss, get_objective, list_objectives, ratio_bounds  # noqa: E402
+from trustclip.integrations.trl.compat import checkpointing_off  # noqa: E402
 from trustclip.objectives.constraints import custom_divergence  # noqa: E402
-from trustclip.trainers.compat import checkpointing_off  # noqa: E402
 
 PROMPTS = [f"Compute {a}+{b}. Answer in \\boxed{{}}.\n" for a, b in [(3, 4), (12, 7), (5, 9), (21, 30)]]
 
@@ -32,7 +32,7 @@ def tiny(tiny_model_path):
 
 
 def make_config(tmp_path, **overrides):
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     kwargs = dict(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -46,7 +46,7 @@ def make_config(tmp_path, **overrides):
 def make_trainer(tiny, tmp_path, reward=digit_reward, objective_object=None, **overrides):
     from datasets import Dataset
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
@@ -230,7 +230,7 @@ def test_matches_trl_builtin_loss(tiny, tmp_path, case):
 
 
 @pytest.mark.parametrize("case", [c for c in TRL_MATCHES if c not in ("gspo", "kl3=asymmetric dapo")])
-def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, tmp_path, case):
+def test_trl_loss_options_are_honoured_as_trl_computes_them(tiny, tmp_path, case):
     """TRL's own loss options given to TrustClipGRPOConfig (no objective) train exactly TRL's loss: same loss and
     gradient as TRL's GRPOTrainer with the same options, not the default kl3."""
     objective, kwargs, aggregation, trl_config = TRL_MATCHES[case]
@@ -260,7 +260,7 @@ def test_issue27_item1_trl_loss_options_are_honoured_as_trl_computes_them(tiny, 
     ({"off_policy_mask_threshold": -1.0}, "off_policy_mask_threshold=-1.0 is invalid"),
     ({"entropy_coef_min": 0.5, "entropy_coef_max": 0.1}, "entropy_coef_min=0.5 is above entropy_coef_max=0.1"),
 ])
-def test_issue27_item1_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
+def test_trl_loss_options_without_a_trustclip_equivalent_are_refused(tmp_path, options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make_config(tmp_path, **options)
 
@@ -283,7 +283,7 @@ def test_a_temperature_that_cannot_sample_is_refused_with_the_config(tmp_path, t
         make_config(tmp_path, temperature=temperature)
 
 
-def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
+def test_trl_options_map_onto_the_named_objective(tmp_path):
     config = make_config(tmp_path, objective="clip", epsilon=0.3)  # the same objective: its epsilon, honoured
     assert (config.objective, config.objective_kwargs) == ("clip", {"epsilon": 0.3})
     config = make_config(tmp_path, epsilon=0.9, epsilon_high=5.0, scale_rewards="group")
@@ -293,8 +293,34 @@ def test_issue27_item1_trl_options_map_onto_the_named_objective(tmp_path):
     assert (config.objective, config.aggregation, config.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
 
 
+def test_trl_loss_options_beside_every_trustclip_setting_are_refused_naming_them(tmp_path):
+    """With objective, aggregation and advantage_estimator all given (as a trustclip train recipe gives them), TRL's
+    loss options could only spell them again: refused, as trustclip train refuses them, naming the settings."""
+    given = dict(objective="clip", aggregation="dr_grpo", advantage_estimator="dr_grpo")
+    with pytest.raises(ValueError, match=re.escape("epsilon=0.3 are TRL's loss options, which the trustclip objective "
+                                                   "replaces; set objective='clip', objective_kwargs={'epsilon': 0.3} "
+                                                   "instead")):
+        make_config(tmp_path, **given, epsilon=0.3)
+    with pytest.raises(ValueError, match=re.escape("loss_type='bnpo' normalises by the tokens of each micro-batch")):
+        make_config(tmp_path, **given, loss_type="bnpo")
+    assert make_config(tmp_path, objective="clip", aggregation="dr_grpo", epsilon=0.3).objective_kwargs == {
+        "epsilon": 0.3}  # a setting left unset: TRL's options fill it
+
+
+def test_the_config_resolves_its_objective_once_and_pickles_without_it(tmp_path):
+    """The trainer trains the Objective its config resolved when it was built; the Trainer pickles its args with
+    every checkpoint, without that Objective, and a loaded copy resolves the same one."""
+    import pickle
+
+    config = make_config(tmp_path, objective="kl3", objective_kwargs={"delta": 0.1})
+    assert config.build_objective() is config.build_objective()
+    loaded = pickle.loads(pickle.dumps(config))
+    assert "_resolved" not in vars(loaded) and loaded.build_objective() == config.build_objective()
+    assert dict(config.build_objective("atr").hparams) == {"delta": 0.1}  # another name, the same kwargs
+
+
 def test_translate_refuses_a_key_that_is_no_trl_loss_option():
-    from trustclip.trainers.trl_options import translate
+    from trustclip.integrations.trl.loss_options import translate
 
     with pytest.raises(ValueError, match=re.escape("not TRL loss options: ['loss_typ']")):
         translate({"loss_typ": "bnpo"})
@@ -302,18 +328,18 @@ def test_translate_refuses_a_key_that_is_no_trl_loss_option():
 
 def test_star_import_of_the_trainers_gives_the_lazy_names():
     namespace: dict = {}
-    exec("from trustclip.trainers import *", namespace)  # noqa: S102 - the public names a star import gives
+    exec("from trustclip.integrations.trl import *", namespace)  # noqa: S102 - the public names a star import gives
     assert {"TrustClipGRPOConfig", "TrustClipGRPOTrainer", "on_policy_warning"} <= namespace.keys()
 
 
-def test_issue27_item7_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
+def test_a_plain_grpo_config_trains_with_trustclips_defaults(tiny, tmp_path):
     """The documented path TrustClipGRPOTrainer(model, args=GRPOConfig(...), objective=...) trains (it crashed at the
     first step), with trustclip's own fields at their defaults and TRL's loss_type / scale_rewards as TRL means them
     (its defaults: token_mean, grpo); its checks run when the trainer is built."""
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, num_generations=4,
@@ -355,7 +381,7 @@ def test_explicit_trl_settings_mean_the_same_in_either_config_class(tmp_path, se
     latter with objective='atr'. Both now mean what TRL means, next to the objective that replaces TRL's clip."""
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True, bf16=False)
     plain = TrustClipGRPOConfig.from_grpo_config(GRPOConfig(**common, **settings), objective="atr")
@@ -372,14 +398,14 @@ def test_a_plain_grpo_config_and_a_trustclip_config_train_alike(tiny, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     model, tokenizer = tiny
     common = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                   num_iterations=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
                   **checkpointing_off(), loss_type="grpo", scale_rewards="group")
     dataset = Dataset.from_list([{"prompt": p} for p in PROMPTS * 4])
-    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    logger = logging.getLogger("trustclip.integrations.trl.trainer")
     with _records(logger) as records:
         plain = TrustClipGRPOTrainer(copy.deepcopy(model), reward_funcs=digit_reward, args=GRPOConfig(**common),
                                      train_dataset=dataset, processing_class=tokenizer, objective="atr")
@@ -400,7 +426,7 @@ def test_the_start_says_when_trustclips_defaults_replace_trls(tiny, tmp_path):
     on std-scaled advantages: the one start-up line says so."""
     import logging
 
-    logger = logging.getLogger("trustclip.trainers.trl_trainer")
+    logger = logging.getLogger("trustclip.integrations.trl.trainer")
     with _records(logger) as records:
         make_trainer(tiny, tmp_path, objective="atr")
     (line,) = [r.getMessage() for r in records if r.getMessage().startswith("trustclip trains")]
@@ -701,7 +727,7 @@ def test_slices_used_before_the_next_update_are_not_scored(tiny, tmp_path):
     (0, 1, 1, 1, [True]),
 ])
 def test_on_policy_slices_follow_the_schedule(micro_step, spg, accumulation, iterations, on_policy):
-    from trustclip.trainers.step_counts import StepCounts
+    from trustclip.integrations.trl.step_counts import StepCounts
 
     counts = StepCounts(steps_per_generation=spg, gradient_accumulation_steps=accumulation, num_iterations=iterations)
     assert counts.on_policy_slices(micro_step) == on_policy

@@ -63,7 +63,7 @@ def trainer_classes():
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from trustclip.trainers import TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     class FixedRolloutTrainer(TrustClipGRPOTrainer):
         """The trainer with generation and scoring replaced by this process's rows of a fixed rollout."""
@@ -100,9 +100,9 @@ def run_variant(variant: str, fsdp2: bool, rollout: dict, model_path: str, out: 
     from datasets import Dataset
     from peft import LoraConfig
 
+    from trustclip.integrations.trl import TrustClipGRPOConfig
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig
-    from trustclip.trainers.compat import checkpointing_off
 
     fixed, shimmed = trainer_classes()
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,5 +1,5 @@
 """TRL's private surface, fenced: every private TRL name TrustClipGRPOTrainer touches is listed in
-trustclip/trainers/trl_surface.py, exists in the installed TRL (a rename fails naming it), and the options the
+trustclip/integrations/trl/surface.py, exists in the installed TRL (a rename fails naming it), and the options the
 subclass re-implements from TRL's `_compute_loss` (entropy bonus, static and adaptive; top_entropy_quantile;
 off_policy_mask_threshold; use_bias_correction_kl) match TRL's own loss on the same batch, loss and gradients."""
 
@@ -23,7 +23,7 @@ from test_trainer import (  # noqa: E402
     make_trainer,
 )
 
-from trustclip.trainers import trl_surface  # noqa: E402
+from trustclip.integrations.trl import surface as trl_surface  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PUBLIC_TRAINER_API = {"accelerator", "args", "model"}  # documented transformers.Trainer attributes
@@ -79,9 +79,9 @@ def _attributes(tree: ast.AST, owner: str) -> set[str]:
 
 
 def test_every_trl_name_the_trainer_touches_is_listed():
-    from trustclip.trainers import TrustClipGRPOConfig
+    from trustclip.integrations.trl import TrustClipGRPOConfig
 
-    tree = ast.parse((ROOT / "trustclip" / "trainers" / "trl_trainer.py").read_text())
+    tree = ast.parse((ROOT / "trustclip" / "integrations" / "trl" / "trainer.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrustClipGRPOTrainer")
     ours = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
@@ -90,7 +90,7 @@ def test_every_trl_name_the_trainer_touches_is_listed():
     listed = {*trl_surface.OVERRIDDEN_METHODS, *trl_surface.CALLED_METHODS, *trl_surface.ATTRIBUTES,
               *trl_surface.TRAINING_ATTRIBUTES}
     unlisted = _attributes(cls, "self") - ours - listed - PUBLIC_TRAINER_API
-    assert not unlisted, f"trl_trainer.py uses TRL's {sorted(unlisted)}: list them in trl_surface.py"
+    assert not unlisted, f"trainer.py uses TRL's {sorted(unlisted)}: list them in surface.py"
     trl = __import__("trl")
     overridden = {n for n in ours if n.startswith("_") and not n.startswith("__") and hasattr(trl.GRPOTrainer, n)}
     assert overridden <= set(trl_surface.OVERRIDDEN_METHODS), sorted(overridden - set(trl_surface.OVERRIDDEN_METHODS))
@@ -106,9 +106,9 @@ def test_every_trl_name_the_trainer_touches_is_listed():
 
 def test_the_parts_apart_from_the_trainer_import_no_trl():
     """The zero-advantage filter, the delta callback, truly_ppo's forward and the step counts (each tested without
-    TRL) import nothing of it, so no private TRL name hides outside trl_trainer.py."""
+    TRL) import nothing of it, so no private TRL name hides outside trainer.py."""
     for module in ("zero_advantage", "delta_control", "full_vocab", "step_counts"):
-        tree = ast.parse((ROOT / "trustclip" / "trainers" / f"{module}.py").read_text())
+        tree = ast.parse((ROOT / "trustclip" / "integrations" / "trl" / f"{module}.py").read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert not {name for name in imported if name.split(".")[0] == "trl"}, module

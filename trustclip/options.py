@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-# Checked by pydantic in every section (`trustclip.train.config.from_dict`): unknown keys are errors, floats finite.
+# Checked by pydantic in every section (`trustclip.settings.from_dict`): unknown keys are errors, floats finite.
 STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
 

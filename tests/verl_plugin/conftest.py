@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def fresh_warnings() -> Iterator[None]:
     """Forget which one-time warnings the plugin already emitted in this process."""
-    from trustclip.integrations import verl_plugin
+    from trustclip.integrations.verl import plugin as verl_plugin
 
     saved = set(verl_plugin._warned)
     verl_plugin._warned.clear()

@@ -48,7 +48,7 @@ COMMON = [
     f"actor_rollout_ref.actor.optim.lr={LR}",
     "actor_rollout_ref.actor.optim.weight_decay=0",
     "actor_rollout_ref.actor.optim.clip_grad=1e9",
-    "actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig",
+    "actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl.config.TrustclipPolicyLossConfig",
     "actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3",
 ]
 

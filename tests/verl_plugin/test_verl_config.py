@@ -23,12 +23,12 @@ from verl.workers.config import PolicyLossConfig
 from verl_testkit import actor_config, assert_close, make_inputs, trustclip_config
 
 from trustclip import compute_advantages, compute_policy_loss, get_objective, list_objectives, ratio_bounds
-from trustclip.integrations import verl_plugin
-from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
+from trustclip.integrations.verl import plugin as verl_plugin
+from trustclip.integrations.verl.config import TrustclipPolicyLossConfig
 from trustclip.objectives import REGISTRY, RatioInterval
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
-TARGET = "actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl_config.TrustclipPolicyLossConfig"
+TARGET = "actor_rollout_ref.actor.policy_loss._target_=trustclip.integrations.verl.config.TrustclipPolicyLossConfig"
 
 
 def compose_ppo_config(overrides: list[str]):
@@ -41,6 +41,20 @@ def docs_command_overrides() -> list[str]:
     assert block, "docs/verl.md lost its verl command line"
     tokens = shlex.split(block.group(1).replace("\\\n", " "))
     return tokens[tokens.index("verl.trainer.main_ppo") + 1:]
+
+
+def test_the_earlier_dotted_paths_name_the_same_modules() -> None:
+    """Configs written for earlier versions (`_target_=trustclip.integrations.verl_config...`,
+    `VERL_USE_EXTERNAL_MODULES=trustclip.integrations.verl_plugin`) load the same classes and functions."""
+    import importlib
+
+    assert importlib.import_module("trustclip.integrations.verl_config").TrustclipPolicyLossConfig \
+        is TrustclipPolicyLossConfig
+    assert importlib.import_module("trustclip.integrations.verl_plugin").build_objective is verl_plugin.build_objective
+    cfg = compose_ppo_config([TARGET.replace("verl.config", "verl_config"),
+                              "actor_rollout_ref.actor.policy_loss.loss_mode=trustclip_kl3",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    assert type(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).policy_loss) is TrustclipPolicyLossConfig
 
 
 # --------------------------------------------------------------------------- defaults and validation

@@ -8,7 +8,7 @@ import json
 import pytest
 from verl_testkit import run_fresh
 
-from trustclip.integrations.verl_plugin import verl_loss_names
+from trustclip.integrations.verl.plugin import verl_loss_names
 
 REPORT = """
 import json
@@ -22,12 +22,14 @@ print(json.dumps({"found": found, "vanilla": core_algos.get_policy_loss_fn("vani
 
 BROKEN = "import sys; sys.modules['verl.trainer.ppo.core_algos'] = None\nimport verl\nprint('verl imported')"
 NO_VERL = ("import sys; sys.modules['verl'] = None\n"
-           "try:\n    import trustclip.integrations.verl_plugin\nexcept ImportError as err:\n    print(err)\n")
+           "try:\n    import trustclip.integrations.verl.plugin\nexcept ImportError as err:\n    print(err)\n")
 SCRIPTS = {
     "plain": (REPORT, {}),
     "plugins_off": (REPORT, {"VERL_USE_EXTERNAL_PLUGINS": "none"}),
     "modules_fallback": (REPORT, {"VERL_USE_EXTERNAL_PLUGINS": "none",
-                                  "VERL_USE_EXTERNAL_MODULES": "trustclip.integrations.verl_plugin"}),
+                                  "VERL_USE_EXTERNAL_MODULES": "trustclip.integrations.verl.plugin"}),
+    "modules_fallback_earlier_path": (REPORT, {"VERL_USE_EXTERNAL_PLUGINS": "none",
+                                               "VERL_USE_EXTERNAL_MODULES": "trustclip.integrations.verl_plugin"}),
     # verl's core_algos cannot be imported (as with an incompatible verl), yet `import verl` succeeds
     "broken": (BROKEN, {}),
     "no_verl": (NO_VERL, {}),
@@ -57,6 +59,10 @@ def test_nothing_registers_without_the_entry_point(fresh) -> None:
 
 def test_external_modules_fallback(fresh) -> None:
     assert report(fresh["modules_fallback"])["found"] == verl_loss_names()
+
+
+def test_external_modules_fallback_under_the_earlier_module_path(fresh) -> None:
+    assert report(fresh["modules_fallback_earlier_path"])["found"] == verl_loss_names()
 
 
 def test_a_broken_plugin_import_is_logged_at_error_level(fresh) -> None:

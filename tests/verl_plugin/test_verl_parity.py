@@ -26,7 +26,7 @@ from verl_testkit import (
 )
 
 from trustclip import compute_policy_loss, compute_token_loss, get_objective, ratio_bounds
-from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
+from trustclip.integrations.verl.config import TrustclipPolicyLossConfig
 from trustclip.objectives import RatioInterval
 from trustclip.objectives.fused import clear_compiled
 

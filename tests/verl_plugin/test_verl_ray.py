@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from trustclip.integrations.verl_plugin import verl_loss_names
+from trustclip.integrations.verl.plugin import verl_loss_names
 
 ray = pytest.importorskip("ray")  # verl requires ray[default]; here for a clear skip if a verl build drops it
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
-from trustclip.integrations.verl_config import TrustclipPolicyLossConfig
+from trustclip.integrations.verl.config import TrustclipPolicyLossConfig
 
 PLUGIN_ENV = ("VERL_USE_EXTERNAL_PLUGINS", "VERL_USE_EXTERNAL_MODULES")
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -19,11 +19,15 @@ trainer's resume). Ctrl-C stops the running runs cleanly.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from trustclip.compare import DEFAULT_SEEDS, EXPERIMENT_KEYS, SETTINGS_FILE, CompareSettings, read_saved, run_compare
 from trustclip.compare.plan import parse_objectives, parse_seeds
+
+# The tests' seam: MODULE:FUNCTION, a training callable with run_pipeline's contract that replaces it in every run.
+PIPELINE_SEAM = "TRUSTCLIP_TEST_PIPELINE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--threads-per-job", type=int, help="torch threads per run (default cores // jobs)")
     where.add_argument("--dry-run", action="store_true", help="print the plan (runs, status) and exit")
     where.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs only")
-    where.add_argument("--pipeline", metavar="MODULE:FUNCTION",
-                       help="training callable instead of trustclip.train.pipeline:run_pipeline (same contract)")
     rep = parser.add_argument_group("report")
     rep.add_argument("--smooth", type=int, metavar="STEPS",
                      help="moving-average window of the training curves (default: a tenth of the run)")
@@ -72,18 +74,6 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
     if args.objectives is None:
         if (saved := read_saved(out)) is None:
             raise ValueError(f"--objectives is required ({out / SETTINGS_FILE} holds no earlier compare)")
-        if hparams := saved.get("hparams"):  # a removed option: reused without it, the runs would be others
-            raise ValueError(f"{out / SETTINGS_FILE} was saved with --hparam {' '.join(map(str, hparams))}, an option "
-                             "that was removed: give the hyper-parameters in brackets with --objectives, e.g. "
-                             "clip[epsilon=0.3]")
-        if (every := saved.get("eval_every")) is not None:  # likewise: --set gives it now
-            raise ValueError(f"{out / SETTINGS_FILE} was saved with --eval-every {every}, an option that was removed: "
-                             f"give the experiment again with --objectives and --set rl.eval_every={every}")
-        if saved.get("share_sft") is False:  # its runs each did their own SFT: this version would plan other runs
-            raise ValueError(f"{out / SETTINGS_FILE} was saved with --no-share-sft, an option that was removed (the "
-                             "runs of a seed now start RL from one SFT run; its runs cannot be reported): give the "
-                             "experiment again with --objectives, in a new --output-dir (and --runs-dir, if it had "
-                             "one)")
         if flags := [flag for flag, value in given.items() if value is not None]:
             raise ValueError(f"{', '.join(flags)} change(s) the experiment: give --objectives too "
                              f"(without it, the experiment saved in {out / SETTINGS_FILE} is reused)")
@@ -94,8 +84,9 @@ def settings_from_args(args: argparse.Namespace) -> CompareSettings:
                       "seeds": parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds),
                       "config": args.config, "overrides": args.overrides or [], "sweep": args.sweep,
                       "runs_dir": None if args.runs_dir is None else str(args.runs_dir)}
-    as_given = ("jobs", "threads_per_job", "dry_run", "report_only", "pipeline", "smooth")
-    return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference)
+    as_given = ("jobs", "threads_per_job", "dry_run", "report_only", "smooth")
+    return CompareSettings(output_dir=out, **experiment, **{k: getattr(args, k) for k in as_given}, reference=reference,
+                           pipeline=os.environ.get(PIPELINE_SEAM))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,19 +30,28 @@ from trustclip.evaluation.config import EvalArgs
 from trustclip.evaluation.evaluator import evaluate_checkpoints
 from trustclip.evaluation.generation import check_backend, resolve_backend
 from trustclip.evaluation.report import REPORT_FILES, format_table, write_report
-from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
-from trustclip.rewards import default_verifier
-from trustclip.train import TrainConfig, option_table
-from trustclip.train.checks import (
+from trustclip.input_checks import (
     check_benchmarks,
     check_device,
     check_generation_room,
     check_model,
     check_writable_dir,
 )
-from trustclip.train.config import deep_merge, explicit_settings, field_hint, from_dict, get_dotted, read_run_config
-from trustclip.train.data import load_benchmarks
-from trustclip.train.stages import eval_config, model_dtype
+from trustclip.models import TINY_MODEL_NAME, build_tiny_model, is_saved_model
+from trustclip.rewards import default_verifier
+from trustclip.run_data import load_benchmarks
+from trustclip.settings import (
+    TrainConfig,
+    deep_merge,
+    eval_config,
+    explicit_settings,
+    field_hint,
+    from_dict,
+    get_dotted,
+    model_dtype,
+    option_table,
+    read_run_config,
+)
 
 # The options of `trustclip train` that flags here set; those declarations give each flag its type, default and help.
 OPTIONS = [*(f"eval.{f.name}" for f in fields(EvalArgs)), "data.seed", "data.prompt_style", "data.problem_key",

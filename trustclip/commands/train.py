@@ -8,9 +8,9 @@ import textwrap
 
 import yaml
 
+from trustclip.settings import STAGES, explicit_settings, from_dict, resume_config
 from trustclip.train import TrainConfig, check_run, option_table, run_pipeline
 from trustclip.train.checks import local_sources, run_generation_room
-from trustclip.train.config import STAGES, explicit_settings, from_dict, resume_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +67,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = build_config(args)
-        check_run(config)
+        checked = check_run(build_config(args))  # the one check of the run, in this process
+        config = checked.config
         if args.print_config and local_sources(config):  # the prompts are known: would they fit the model?
             _check_prompts(config)
     except (ValueError, FileNotFoundError) as err:
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     try:
-        run_pipeline(config)
+        run_pipeline(checked)
     except (ValueError, OSError) as err:  # OSError: FileNotFoundError too
         print(f"trustclip train: error: {err}", file=sys.stderr)
         return 1
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_prompts(config: TrainConfig) -> None:
     """The run's own prompt-length check (`run_pipeline` runs it once the rows are read), on local data."""
-    from trustclip.train.data import load_benchmarks
+    from trustclip.run_data import load_benchmarks
     from trustclip.train.stages import rl_rows
 
     run_generation_room(config, rl_rows(config) if "rl" in config.stages else None,

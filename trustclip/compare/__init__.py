@@ -1,6 +1,6 @@
 """`trustclip compare`: a multi-seed comparison of objectives with everything else held fixed. `run_compare` plans the
 experiment (plan.py), makes its unfinished runs (runner.py) and reports on the finished ones (results.py, report.py,
-figures.py; the statistics are trustclip.evaluation.paired_stats). The experiment is saved as compare.json in the
+figures.py; the statistics: paired_stats.py). The experiment is saved as compare.json in the
 output directory, so that `--report-only` (or a rerun without `--objectives`) reuses it."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class CompareSettings(Experiment):
     threads_per_job: int | None = None
     dry_run: bool = False
     report_only: bool = False
-    pipeline: str | None = None
+    pipeline: str | None = None  # MODULE:FUNCTION in place of run_pipeline (the tests' stand-in); None: the real one
     # the report
     smooth: int | None = None
     reference: str | None = None  # group the report compares against; None: the first clip group, else the first

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from trustclip.compare.paired_stats import Stat, log_scale
 from trustclip.compare.results import SERIES, Group, title_of
-from trustclip.evaluation.paired_stats import Stat, log_scale
 from trustclip.figures import COLORS, figure_context, new_figure, pyplot, save_figure, style_axes
 from trustclip.train.plots import default_window, smooth
 

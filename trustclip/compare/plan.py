@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from trustclip.train.config import RUN_CONTROL, TrainConfig, from_dict, get_dotted, parse_value, set_dotted
+from trustclip.settings import RUN_CONTROL, TrainConfig, from_dict, get_dotted, name_objective, parse_value, set_dotted
 
 RUNS_DIR = "runs"
 SPEC_FILE = "run_spec.json"
@@ -194,7 +194,7 @@ def parse_sweep(text: str | None) -> Sweep | None:
 def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str, Any]:
     """Recipe (with its `base:` chain) + `--set` overrides, as the trainer resolves them, as a nested dict; where
     rl.eval_every is 0 and --set does not say so, EVAL_POINTS periodic evaluations (the accuracy-vs-step figure)."""
-    from trustclip.train.config import load_config, parse_override
+    from trustclip.settings import load_config, parse_override
 
     keys = [parse_override(text)[0] for text in overrides]
     for text, key in zip(overrides, keys, strict=True):
@@ -208,7 +208,7 @@ def base_config(recipe: str | Path | None, overrides: Sequence[str]) -> dict[str
 
 def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | None, value: Any, root: Path) -> RunSpec:
     """The run of `entry` at `seed` (and `value` of `sweep_key`), its config validated by TrainConfig itself."""
-    from trustclip.objectives.registry import get_objective, resolve_name
+    from trustclip.objectives.registry import get_objective
 
     option = sweep_key is not None and "." in sweep_key  # a swept training option, else a swept hyper-parameter
     kwargs = dict(entry.kwargs)
@@ -217,10 +217,10 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | No
             raise ValueError(f"--sweep {sweep_key}: the variant {entry.label!r} sets {sweep_key} itself; sweep it or "
                              "set it, not both")
         kwargs[sweep_key] = value
-    ours = base["rl"].get("objective") and resolve_name(base["rl"]["objective"]).name == entry.spec.name
-    recipe = dict(base["rl"].get("objective_kwargs") or {}) if ours else {}  # the recipe's, for its own objective
+    rl = copy.deepcopy(base["rl"])
+    recipe = name_objective(rl, entry.spec.name, kwargs, keep_own=True)  # the recipe's, for its own objective
     try:
-        objective = get_objective(entry.spec.name, **(recipe | kwargs))
+        objective = get_objective(entry.spec.name, **rl["objective_kwargs"])
     except ValueError as err:
         raise ValueError(f"objective {entry.label!r}: {err}") from None
     # The kwargs the config records are the same however they were written, so that equal settings have one
@@ -228,7 +228,7 @@ def _make_run(entry: Entry, seed: int, base: dict[str, Any], sweep_key: str | No
     # integer given for a float parameter is that float.
     params = objective.spec.params
     canonical = {key: float(v) if isinstance(params[key].default, float) and type(v) is int else v
-                 for key, v in (recipe | kwargs).items()}
+                 for key, v in rl["objective_kwargs"].items()}
     data = copy.deepcopy(base)
     if option:
         set_dotted(data, sweep_key, value)

@@ -12,6 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from trustclip.compare.figures import make_figures
+from trustclip.compare.paired_stats import (
+    LEVEL,
+    MAX_SEEDS,
+    RESAMPLES,
+    Difference,
+    Stat,
+    paired_difference,
+    stat,
+    sweep_trend,
+)
 from trustclip.compare.plan import RunSpec
 from trustclip.compare.results import (
     AVERAGE,
@@ -27,16 +37,6 @@ from trustclip.compare.results import (
     start_stats,
     tidy,
     title_of,
-)
-from trustclip.evaluation.paired_stats import (
-    LEVEL,
-    MAX_SEEDS,
-    RESAMPLES,
-    Difference,
-    Stat,
-    paired_difference,
-    stat,
-    sweep_trend,
 )
 from trustclip.files import read_json, write_json_atomic, write_text_atomic
 

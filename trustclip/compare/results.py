@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from trustclip import metric_names as names
+from trustclip.compare.paired_stats import Difference, Stat, paired_difference, stat
 from trustclip.compare.plan import RunSpec
 from trustclip.evaluation.metrics import AVERAGE
-from trustclip.evaluation.paired_stats import Difference, Stat, paired_difference, stat
 from trustclip.files import read_json
-from trustclip.train.plots import read_series
+from trustclip.metrics_file import METRICS_FILE, read_series
 
 OFFPOLICY = names.objective_name("offpolicy_frac")  # tokens whose ratio left [0.8, 1.2], whatever the objective
 SERIES = {  # training series of the paper's Figure 2 (as TRL / trustclip log them): label, report summary, digits
@@ -118,7 +118,7 @@ def load_run(spec: RunSpec) -> RunRecord:
     metrics = (f"mean@{k}", f"pass@{k}")
     final, start = ({s: {m: float(v[m]) for m in metrics} for s, v in e["metrics"].items()} if e else None
                     for e in (after, before))
-    series = read_series(spec.run_dir / "metrics.jsonl")  # a step logged twice (resumed run) keeps its last values
+    series = read_series(spec.run_dir / METRICS_FILE)  # a step logged twice (resumed run) keeps its last values
     history: dict[int, dict[str, dict[str, float]]] = {}
     for key, (steps, values) in series.items():  # periodic evaluations: eval/<split>/<metric>
         split, _, metric = key.removeprefix("eval/").rpartition("/")

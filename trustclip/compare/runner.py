@@ -1,6 +1,6 @@
 """A comparison's runs, resumable, `jobs` at a time: each run is a worker process (this module as __main__) training
 RUN_DIR/run_spec.json's config into RUN_DIR as `trustclip train --config ... [--resume]` would (not the train CLI: its
---resume reads the config.yaml that the tests' `--pipeline` stand-in does not write). One thread starts and polls the
+--resume reads the config.yaml that the tests' stand-in pipeline does not write). One thread starts and polls the
 workers. Ctrl-C, SIGTERM and SIGHUP stop them; after a SIGKILL of the compare they finish the runs they are on (nothing
 is lost), holding the pool's lock."""
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from trustclip.compare.plan import SPEC_FILE, RunSpec
 from trustclip.files import append_jsonl, read_json, try_lock, write_json_atomic
-from trustclip.train.config import TrainConfig, from_dict
+from trustclip.settings import TrainConfig, from_dict
 
 LOG_FILE, WORKER_LOG, COMPARE_LOCK, SUMMARY_FILE = "compare_log.jsonl", "worker.log", ".compare.lock", "summary.json"
 KILL_GRACE = 10.0  # seconds workers get to exit after SIGTERM before SIGKILL

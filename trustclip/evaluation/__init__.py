@@ -1,8 +1,7 @@
 """Evaluation: Pass@k / Mean@k metrics (light, numpy only) and the generation-based evaluator.
 
 Layers, bottom up: `metrics`, `config` (EvalArgs / EvalConfig), `generation` (HF / vLLM sampling), `evaluator`
-(generate, score, aggregate), `report` (JSON / CSV / markdown writers); beside them `paired_stats`, the statistics
-of a comparison over seeds. All but `metrics` load on first use.
+(generate, score, aggregate), `report` (JSON / CSV / markdown writers). All but `metrics` load on first use.
 """
 
 from trustclip.evaluation.metrics import benchmark_metrics, mean_at_k, metric_curves, pass_at_k

@@ -1,2 +1,3 @@
-"""Integrations of trustclip objectives into other RL frameworks: `verl_plugin` (every objective as a verl policy loss)
-and `verl_config` (their hyper-parameters). Both need verl, so nothing is imported here."""
+"""trustclip objectives inside RL frameworks: `trl` (TRL's GRPOTrainer with the loss step replaced by any objective,
+and its config) and `verl` (every objective as a verl policy loss, and its config). Each needs its framework, so
+nothing is imported here."""

@@ -1,4 +1,5 @@
-"""Adaptive-delta ATR (`atr_adaptive`): the KL3 trust region with delta moved between updates by a controller.
+"""Adaptive delta: a controller that moves an objective's delta between updates, and `atr_adaptive`, the KL3 trust
+region with it (ATR + the controller).
 
 The ATR paper (arXiv 2602.05494, Section 6.5) leaves "adaptively adjust delta" to future work. Here delta
 follows the rule of PPO's adaptive KL coefficient (Schulman et al. 2017, arXiv 1707.06347, Section 4), with
@@ -14,8 +15,11 @@ an unbiased estimate of the same per-state KL(pi_old || pi_theta) that PPO measu
 the controller holds the fraction of tokens whose gradient the constraint removes, and moves delta the other
 way (too many tokens held -> a wider region). Why kl3_mean is the default: docs/beyond-the-paper.md.
 
-The objective itself is pure and stateless: at a given delta `atr_adaptive` is exactly ATR-GRPO (`kl3`). The
-state lives in `DeltaController`, which `TrustClipGRPOTrainer` saves in every checkpoint.
+The controller is a trainer feature: `DeltaController` moves the `delta` of any objective that has one (kl1, kl2,
+kl3, is_kl3, trgppo, truly_ppo, atr_seq, ...), and `TrustClipGRPOTrainer` runs it with `adaptive_delta=True`
+(`adaptive_delta_kwargs`: its settings, `CONTROLLER_PARAMS`) and saves its state in every checkpoint. Objectives
+stay pure and stateless: `atr_adaptive` is exactly ATR-GRPO (`kl3`) at a given delta, whose hyper-parameters also
+carry the controller's settings, so that naming it asks for the controller (`carries_controller`).
 """
 
 from __future__ import annotations
@@ -26,29 +30,74 @@ from typing import Any
 
 from trustclip.objectives.batch import PolicyBatch
 from trustclip.objectives.clipping import clipped_surrogate
-from trustclip.objectives.constraints import kl_constraint
-from trustclip.objectives.registry import Objective, TokenLoss, choice, get_objective, number, register_objective
+from trustclip.objectives.constraints import Constraint, kl_constraint
+from trustclip.objectives.registry import (
+    REGISTRY,
+    Objective,
+    TokenLoss,
+    choice,
+    get_objective,
+    number,
+    register_objective,
+    resolve_name,
+)
 
-# Objectives whose delta a DeltaController moves between updates (trainers look for a controller by this).
-ADAPTIVE_OBJECTIVES = ("atr_adaptive",)
 TARGETS = ("kl3_mean", "clip_frac")  # metric names of `policy_metrics`, held near target_value
+# The controller's settings, declared once: `adaptive_delta_kwargs` of the trainer, and atr_adaptive's own.
+CONTROLLER_PARAMS = {
+    "target": choice(*TARGETS, doc="statistic held near target_value: mean KL3 of the update (PPO's rule) or the "
+                     "fraction of tokens the constraint holds"),
+    "target_value": number(0.01, low=0.0, strict_low=True, doc="kl3_mean: PPO's d_targ 0.01; clip_frac: 1% of tokens"),
+    "delta_min": number(0.005, low=0.0, strict_low=True, doc="narrowest region (kl3: [0.903, 1.103])"),
+    "delta_max": number(0.5, low=0.0, strict_low=True, doc="widest region (kl3: [0.302, 2.358])"),
+    "tolerance": number(1.5, low=1.0, strict_low=True, doc="dead band [target / tol, target * tol] (PPO: 1.5)"),
+    "factor": number(2.0, low=1.0, strict_low=True, doc="multiplicative step of delta (PPO: 2)"),
+}
 
 
-def _check_controller(hp: Mapping[str, Any]) -> None:
+def _check_controller(hp: Mapping[str, Any], who: str = "atr_adaptive") -> None:
     """Cross-parameter rules: a non-empty delta range holding the initial delta, a target in its range."""
     low, high, delta = hp["delta_min"], hp["delta_max"], hp["delta"]
     if low >= high:
-        raise ValueError(f"atr_adaptive: the delta range [delta_min={low}, delta_max={high}] is empty; "
+        raise ValueError(f"{who}: the delta range [delta_min={low}, delta_max={high}] is empty; "
                          "it needs delta_min < delta_max")
     if not low <= delta <= high:
-        raise ValueError(f"atr_adaptive: the initial delta={delta} is outside the delta range [{low}, {high}]")
+        raise ValueError(f"{who}: the initial delta={delta} is outside the delta range [{low}, {high}]")
     value = hp["target_value"]
     if hp["target"] == "clip_frac" and value >= 1:
-        raise ValueError(f"atr_adaptive: target_value={value} is outside the range of target='clip_frac' "
+        raise ValueError(f"{who}: target_value={value} is outside the range of target='clip_frac' "
                          "(a fraction of tokens): it must be in (0, 1)")
     if hp["target"] == "kl3_mean" and value >= high:
-        raise ValueError(f"atr_adaptive: target_value={value} is outside the range of target='kl3_mean': it must be "
+        raise ValueError(f"{who}: target_value={value} is outside the range of target='kl3_mean': it must be "
                          f"in (0, delta_max={high}) (tokens kept inside the widest region have mean KL3 < delta_max)")
+
+
+def carries_controller(objective: str | Objective) -> bool:
+    """Whether naming this objective asks for the delta controller: its hyper-parameters carry the controller's
+    settings (atr_adaptive, ATR + the controller)."""
+    spec = objective.spec if isinstance(objective, Objective) else resolve_name(objective)
+    return set(CONTROLLER_PARAMS) <= set(spec.params)
+
+
+def controller_settings(objective: Objective, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The controller's settings for `objective` (its initial `delta`, then `CONTROLLER_PARAMS`), checked: those the
+    objective carries (atr_adaptive; `given` is not read), else `given` over the defaults. ValueError naming a bad
+    one, or an objective without a delta."""
+    if "delta" not in objective.hparams:
+        with_delta = sorted(name for name, spec in REGISTRY.items() if "delta" in spec.params)
+        raise ValueError(f"adaptive delta moves the objective's delta, and objective {objective.name!r} has none; "
+                         f"objectives with one: {', '.join(with_delta)}")
+    if carries_controller(objective):  # checked with the objective's own hyper-parameters
+        return {"delta": objective.hparams["delta"], **{k: objective.hparams[k] for k in CONTROLLER_PARAMS}}
+    given = dict(given or {})
+    if unknown := sorted(set(given) - set(CONTROLLER_PARAMS)):
+        raise ValueError(f"adaptive delta: unknown setting(s) {unknown}; valid: {', '.join(CONTROLLER_PARAMS)}")
+    settings = {"delta": objective.hparams["delta"], **{k: p.default for k, p in CONTROLLER_PARAMS.items()}, **given}
+    for key, value in given.items():
+        if not CONTROLLER_PARAMS[key].check(value):
+            raise ValueError(f"adaptive delta: {key}={value!r} is invalid; it must be {CONTROLLER_PARAMS[key].rule}")
+    _check_controller(settings, who=f"adaptive delta of {objective.name}")
+    return settings
 
 
 @register_objective(
@@ -57,43 +106,37 @@ def _check_controller(hp: Mapping[str, Any]) -> None:
            "(arXiv 1707.06347, Section 4); beyond both papers",
     summary="ATR-GRPO whose delta a controller moves between updates to hold the mean KL3 (or the clip fraction) "
             "near a target",
-    params={
-        "delta": number(0.07, low=0.0, strict_low=True, doc="delta of the first update (the paper's 0.07)"),
-        "target": choice(*TARGETS, doc="statistic held near target_value: mean KL3 of the update "
-                         "(PPO's rule) or the fraction of tokens the constraint holds"),
-        "target_value": number(0.01, low=0.0, strict_low=True,
-                               doc="kl3_mean: PPO's d_targ 0.01; clip_frac: 1% of tokens"),
-        "delta_min": number(0.005, low=0.0, strict_low=True, doc="narrowest region [0.903, 1.103]"),
-        "delta_max": number(0.5, low=0.0, strict_low=True, doc="widest region [0.302, 2.358]"),
-        "tolerance": number(1.5, low=1.0, strict_low=True, doc="dead band [target / tol, target * tol] (PPO: 1.5)"),
-        "factor": number(2.0, low=1.0, strict_low=True, doc="multiplicative step of delta (PPO: 2)"),
-    },
-    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
+    params={"delta": number(0.07, low=0.0, strict_low=True, doc="delta of the first update (the paper's 0.07)"),
+            **CONTROLLER_PARAMS},
+    constraint=lambda hp: kl_constraint("kl3", hp["delta"]),
     check_all=_check_controller,
 )
-def atr_adaptive(batch: PolicyBatch, *, delta: float, target: str, target_value: float, delta_min: float,
-                 delta_max: float, tolerance: float, factor: float) -> TokenLoss:
+def atr_adaptive(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
     """At the current delta, ATR-GRPO (`kl3`): J = min(w A, clip(w, l_delta, u_delta) A), [l, u] the Lambert-W
-    region of w - 1 - log w <= delta (arXiv 2602.05494, Theorem 4.2); `DeltaController` reads the other settings."""
-    return clipped_surrogate(batch, kl_constraint("kl3", delta))
+    region of w - 1 - log w <= delta (arXiv 2602.05494, Theorem 4.2); the controller reads the other settings."""
+    return clipped_surrogate(batch, constraint)
 
 
 class DeltaController:
-    """The state of `atr_adaptive`: its current delta, moved by `update` (the rule in the module docstring).
+    """The state of adaptive delta: the objective's current delta, moved by `update` (the rule in the module
+    docstring).
 
-        objective = get_objective("atr_adaptive")           # or with target="clip_frac", target_value=..., ...
-        controller = DeltaController(objective)
+        controller = DeltaController("kl3", delta=0.07, target="clip_frac")   # any objective with a delta
+        controller = DeltaController("atr_adaptive")        # an objective that carries the settings: its own
         loss, metrics = compute_policy_loss(controller.objective, ...)   # the objective at the current delta
         controller.update(metrics)                          # once per update (the trainer: per generation batch)
 
-    The settings are the objective's validated hyper-parameters (one declaration: the registry's).
+    `hparams` are the objective's hyper-parameters and the controller's settings (`CONTROLLER_PARAMS`, checked by
+    `controller_settings`); an objective that carries the settings (atr_adaptive) takes them all itself.
     """
 
     def __init__(self, objective: Objective | str = "atr_adaptive", **hparams: Any) -> None:
-        objective = get_objective(objective, **hparams)
-        if objective.name not in ADAPTIVE_OBJECTIVES:
-            raise ValueError(f"DeltaController needs one of {ADAPTIVE_OBJECTIVES}, got objective {objective.name!r}")
-        self.settings: dict[str, Any] = dict(objective.hparams)
+        if carries_controller(objective):
+            objective, control = get_objective(objective, **hparams), None
+        else:
+            control = {k: v for k, v in hparams.items() if k in CONTROLLER_PARAMS}
+            objective = get_objective(objective, **{k: v for k, v in hparams.items() if k not in CONTROLLER_PARAMS})
+        self.settings: dict[str, Any] = controller_settings(objective, control)
         self.delta: float = float(self.settings["delta"])
         self.updates = 0
         self.last_statistic: float | None = None
@@ -153,8 +196,3 @@ class DeltaController:
     def __repr__(self) -> str:
         return (f"DeltaController(delta={self.delta:.6g}, target={self.target}={self.settings['target_value']}, "
                 f"range=[{self.settings['delta_min']}, {self.settings['delta_max']}], updates={self.updates})")
-
-
-def controller_for(objective: Objective) -> DeltaController | None:
-    """A DeltaController for an adaptive objective, None for any other."""
-    return DeltaController(objective) if objective.name in ADAPTIVE_OBJECTIVES else None

@@ -9,6 +9,7 @@ i.e. a token loses its gradient iff the constraint is violated and the ratio mov
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -168,12 +169,12 @@ DELTA = number(0.07, low=0.0, strict_low=True, doc="threshold on the estimator")
     source="ATR paper ablation (arXiv 2602.05494, Table 3); k1 estimator, Schulman 2020",
     summary="C = -log w <= delta (one-sided by default)",
     params={"delta": DELTA, "two_sided": choice(False, True, doc="|log w| <= delta")},
-    bounds=lambda hp: kl_constraint("kl1", hp["delta"], two_sided=hp["two_sided"]).bounds,
+    constraint=lambda hp: kl_constraint("kl1", hp["delta"], two_sided=hp["two_sided"]),
 )
-def kl1(batch: PolicyBatch, *, delta: float, two_sided: bool) -> TokenLoss:
+def kl1(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
     """KL1 clipping: C = -log w <= delta, i.e. w >= exp(-delta); one-sided (no upper bound, A > 0 tokens are
     never clipped), the reading of the reference notes. two_sided=True uses |log w| <= delta."""
-    return clipped_surrogate(batch, kl_constraint("kl1", delta, two_sided=two_sided))
+    return clipped_surrogate(batch, constraint)
 
 
 @register_objective(
@@ -181,11 +182,11 @@ def kl1(batch: PolicyBatch, *, delta: float, two_sided: bool) -> TokenLoss:
     source="ATR paper ablation (arXiv 2602.05494, Table 3); k2 estimator, Schulman 2020",
     summary="C = (log w)^2 / 2 <= delta",
     params={"delta": DELTA},
-    bounds=lambda hp: kl_constraint("kl2", hp["delta"]).bounds,
+    constraint=lambda hp: kl_constraint("kl2", hp["delta"]),
 )
-def kl2(batch: PolicyBatch, *, delta: float) -> TokenLoss:
+def kl2(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
     """KL2 clipping: C = (log w)^2 / 2 <= delta, i.e. w in [exp(-sqrt(2 delta)), exp(sqrt(2 delta))]."""
-    return clipped_surrogate(batch, kl_constraint("kl2", delta))
+    return clipped_surrogate(batch, constraint)
 
 
 @register_objective(
@@ -193,14 +194,18 @@ def kl2(batch: PolicyBatch, *, delta: float) -> TokenLoss:
     source="ATR-GRPO, Wu, Wang et al. 2026 (arXiv 2602.05494); k3 estimator, Schulman 2020",
     summary="ATR-GRPO: C = w - 1 - log w <= delta (Lambert-W bounds)",
     params={"delta": DELTA},
-    bounds=lambda hp: kl_constraint("kl3", hp["delta"]).bounds,
+    constraint=lambda hp: kl_constraint("kl3", hp["delta"]),
     aliases=("atr", "atr_grpo"),
 )
-def kl3(batch: PolicyBatch, *, delta: float) -> TokenLoss:
+def kl3(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
     """ATR-GRPO: C = KL3 = w - 1 - log w <= delta (arXiv 2602.05494, eq. 6 and Theorem 4.2).
     Exactly asymmetric ratio clipping with l = -W_0(-e^{-(1+delta)}), u = -W_{-1}(-e^{-(1+delta)});
     delta = 0.07 gives [0.6710, 1.4222]."""
-    return clipped_surrogate(batch, kl_constraint("kl3", delta))
+    return clipped_surrogate(batch, constraint)
+
+
+def _is_kl3(hp: Any) -> Constraint:
+    return kl_constraint("is_kl3", hp["delta"], form=hp["form"])
 
 
 @register_objective(
@@ -208,15 +213,15 @@ def kl3(batch: PolicyBatch, *, delta: float) -> TokenLoss:
     source="ATR paper ablation (arXiv 2602.05494, Table 3); IS-weighted k3",
     summary="C = w log w - w + 1 <= delta",
     params={"delta": DELTA, "form": choice("w_log_w", "w_times_kl3", doc="which IS-weighted KL3 reading")},
-    bounds=lambda hp: (kl_constraint("is_kl3", hp["delta"], form=hp["form"]).bounds
-                       or _no_interval("is_kl3 with form='w_times_kl3'")),
-    check_all=lambda hp: kl_constraint("is_kl3", hp["delta"], form=hp["form"]),
+    constraint=_is_kl3,
+    bounds=lambda hp: _is_kl3(hp).bounds or _no_interval("is_kl3 with form='w_times_kl3'"),
+    check_all=_is_kl3,  # the constructor refuses a form / delta it cannot build
 )
-def is_kl3(batch: PolicyBatch, *, delta: float, form: str) -> TokenLoss:
+def is_kl3(batch: PolicyBatch, constraint: Constraint) -> TokenLoss:
     """IS-weighted KL3 clipping: C = w log w - w + 1 <= delta (= w * k3(1/w), unbiased for KL(pi_theta || pi_old);
     the reading the reference notes recommend, an interval). form='w_times_kl3' uses w (w - 1 - log w) <= delta
     instead, whose feasible set is not an interval."""
-    return clipped_surrogate(batch, kl_constraint("is_kl3", delta, form=form))
+    return clipped_surrogate(batch, constraint)
 
 
 def _no_interval(what: str):

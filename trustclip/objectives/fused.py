@@ -1,6 +1,6 @@
 """The fused path: the objective's per-token loss, its weighting, the aggregation and the metrics' statistics as one
 `torch.compile`d graph, so that a GPU runs a few fused kernels instead of dozens of small ones (the loss layer is
-launch-bound: `benchmarks/objective_overhead.py`).
+launch-bound: `scripts/objective_overhead.py`).
 
 Opt in with `compute_policy_loss(..., fused=True)` (or `compute_token_loss(..., fused=True)`, the per-token loss a
 trainer aggregates itself: the TRL trainer's `fused_loss`, verl's `policy_loss.fused`); a string names the

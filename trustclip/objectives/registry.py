@@ -90,6 +90,7 @@ class ObjectiveSpec:
     q_dependent: bool = False
     aliases: tuple[str, ...] = ()
     check_all: Callable[[Mapping[str, Any]], None] | None = None  # cross-parameter validation
+    constraint: Callable[[Mapping[str, Any]], Any] | None = None  # (hparams) -> Constraint, of clipping objectives
 
 
 REGISTRY: dict[str, ObjectiveSpec] = {}
@@ -97,12 +98,19 @@ ALIASES: dict[str, str] = {}
 
 
 def register_objective(name: str, *, source: str, summary: str, params: Mapping[str, Param] | None = None,
-                       **options: Any) -> Callable:
-    """Decorator: register `fn(batch, **hparams) -> TokenLoss` under `name` (and its aliases)."""
+                       constraint: Callable[[Mapping[str, Any]], Any] | None = None, **options: Any) -> Callable:
+    """Decorator: register `fn(batch, **hparams) -> TokenLoss` under `name` (and its aliases).
+
+    An objective of the clipping framework states its constraint once, `constraint(hparams) -> Constraint`: its
+    function then receives that constraint, `fn(batch, constraint)`, and its ratio region is the constraint's
+    `bounds` unless `bounds` is given."""
 
     def wrap(fn: Callable[..., TokenLoss]) -> Callable[..., TokenLoss]:
         if name in REGISTRY or name in ALIASES:
             raise ValueError(f"objective {name!r} is already registered")
+        if constraint is not None:
+            options.setdefault("bounds", lambda hp: constraint(hp).bounds)
+            options["constraint"] = constraint
         spec = ObjectiveSpec(name, fn, MappingProxyType(dict(params or {})), source, summary, **options)
         REGISTRY[name] = spec
         ALIASES.update(dict.fromkeys(spec.aliases, name))
@@ -127,7 +135,14 @@ class Objective:
         """Extra (B, T) inputs this configuration needs, e.g. ('entropy',) or ('full_kl',)."""
         return self.spec.requires(self.hparams)
 
+    @property
+    def constraint(self) -> Any:
+        """The Constraint of a clipping objective at these hyper-parameters (None: it states none)."""
+        return None if self.spec.constraint is None else self.spec.constraint(self.hparams)
+
     def __call__(self, batch: PolicyBatch) -> TokenLoss:
+        if self.spec.constraint is not None:
+            return self.spec.fn(batch, self.constraint)
         return self.spec.fn(batch, **self.hparams)
 
     def __repr__(self) -> str:

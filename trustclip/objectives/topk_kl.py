@@ -15,7 +15,7 @@ By the chain rule of the KL divergence, the exact KL splits into this term and t
 so KL_k is a lower bound and its error is exactly P times the KL between the two renormalised tail
 distributions: zero when pi keeps the shape of pi_old's tail, small when the tail mass P is small. On real
 SmolLM2 logits (T = 1) the default k = 256 kept it within 1e-2 nats on every token up to a policy move of mean
-KL 0.036, not at 0.082 (`benchmarks/full_kl_memory.py`; README). KL_k is differentiable in the current policy's
+KL 0.036, not at 0.082 (`scripts/full_kl_memory.py`; README). KL_k is differentiable in the current policy's
 log-probs (Truly PPO's rollback term needs that gradient). The trainer's default keeps pi_old's hidden states
 instead, which gives the exact KL (`TrustClipGRPOConfig.full_kl_storage`).
 """

@@ -13,7 +13,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from trustclip import metric_names as names
-from trustclip.files import append_jsonl, read_jsonl, write_jsonl_atomic
+from trustclip.metrics_file import append_step, drop_rows
 
 
 class JsonlMetricsCallback(TrainerCallback):
@@ -25,15 +25,12 @@ class JsonlMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero and state.global_step > 0 and self.path.exists():
-            rows = read_jsonl(self.path)  # a line cut short by the kill is dropped too
-            write_jsonl_atomic(self.path, [row for row in rows if row.get("stage") != self.stage
-                                           or row.get("step", 0) <= state.global_step])
+            drop_rows(self.path, self.stage, after=state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or not logs:
             return
-        append_jsonl(self.path, {"stage": self.stage, "step": state.global_step, "time": round(time.time(), 3),
-                                 **logs})  # NaN / inf are stored as null
+        append_step(self.path, self.stage, state.global_step, logs)
 
 
 class ProgressCallback(TrainerCallback):

@@ -33,16 +33,15 @@ from accelerate import PartialState
 
 from trustclip.evaluation.evaluator import evaluate, evaluate_saved_vllm
 from trustclip.evaluation.metrics import AVERAGE
-from trustclip.files import read_jsonl, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from trustclip.files import write_json_atomic, write_text_atomic
+from trustclip.metrics_file import METRICS_FILE, drop_rows
 from trustclip.models import is_saved_model
-from trustclip.train.checks import check_run, eval_backend, run_generation_room
-from trustclip.train.config import TrainConfig
-from trustclip.train.data import load_benchmarks
+from trustclip.run_data import load_benchmarks
+from trustclip.settings import TrainConfig, eval_config, model_dtype
+from trustclip.train.checks import CheckedRun, check_run, eval_backend, run_generation_room
 from trustclip.train.plots import plot_training_curves
 from trustclip.train.stages import (
-    eval_config,
     load_policy,
-    model_dtype,
     policy_source,
     rl_rows,
     run_rl,
@@ -96,7 +95,7 @@ def prepare_output_dir(run: Run) -> None:
     """Without --resume, the requested stages start from scratch: their state, folders and metrics lines
     (and those of every stage downstream of them) are removed, and config.yaml records the settings. Nothing
     else in output_dir is touched."""
-    config, out, metrics = run.config, run.out, run.out / "metrics.jsonl"
+    config, out, metrics = run.config, run.out, run.out / METRICS_FILE
     if not config.resume:  # a resumed run keeps its results and the config.yaml it was started with
         stale = sorted({s for stage in config.stages for s in INVALIDATES[stage]} & set(run.state))
         if stale and run.main:
@@ -107,7 +106,7 @@ def prepare_output_dir(run: Run) -> None:
             if run.main and stage in ("sft", "rl"):
                 shutil.rmtree(out / stage, ignore_errors=True)
                 if metrics.is_file():
-                    write_jsonl_atomic(metrics, [row for row in read_jsonl(metrics) if row.get("stage") != stage])
+                    drop_rows(metrics, stage)
             elif run.main:
                 (out / "eval" / f"{stage.removeprefix('eval_')}.json").unlink(missing_ok=True)
         if run.main:
@@ -116,13 +115,15 @@ def prepare_output_dir(run: Run) -> None:
     run.dist.wait_for_everyone()
 
 
-def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_pipeline(config: TrainConfig | CheckedRun, printer: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the configured stages; returns (and writes) the summary dict. See the module docstring.
 
-    Everything is checked first (`check_run`), then every data row the run will use is read and validated, and
-    only then is a model loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
+    Everything is checked first (`check_run`; a `CheckedRun` was checked already, and its stages' TRL configs are the
+    ones the trainers receive), then every data row the run will use is read and validated, and only then is a model
+    loaded: a bad setting or a malformed file fails in seconds, not after SFT."""
     t_start = time.perf_counter()
-    check_run(config)
+    checked = config if isinstance(config, CheckedRun) else check_run(config)
+    config = checked.config
     stages = config.stages
     sft_data = sft_rows(config) if "sft" in stages else None
     rl_data = rl_rows(config) if "rl" in stages else None
@@ -139,7 +140,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
     if "sft" in stages and not run.done("sft"):
         t = time.perf_counter()
         run.print(f"[sft] {config.sft.max_steps} steps on {config.sft.data or config.data.train} from {start}")
-        model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data)
+        model = run_sft(model, tokenizer, config, run.out, run.print, rows=sft_data, args=checked.sft)
         if run.main:
             model.save_pretrained(str(sft_final))
             tokenizer.save_pretrained(str(sft_final))
@@ -158,7 +159,7 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
         r = config.rl
         run.print(f"[rl] {r.objective} {dict(r.objective_kwargs)} for {r.max_steps} steps, G={r.num_generations}, "
                   f"num_iterations={r.num_iterations}, lr={r.learning_rate}")
-        trainer = run_rl(model, tokenizer, config, run.out, run.print, benchmarks, rows=rl_data)
+        trainer = run_rl(model, tokenizer, config, run.out, run.print, benchmarks, rows=rl_data, args=checked.rl)
         model = trainer.accelerator.unwrap_model(trainer.model)
         if run.main:
             trainer.save_model(str(rl_final))
@@ -173,9 +174,9 @@ def run_pipeline(config: TrainConfig, printer: Callable[[str], None] | None = No
 
     summary = _summary(run, time.perf_counter() - t_start - sum(run.ran.values()))
     if run.main:
-        if config.plots and "rl" in stages and (run.out / "metrics.jsonl").is_file():
+        if config.plots and "rl" in stages and (run.out / METRICS_FILE).is_file():
             try:
-                paths = plot_training_curves(run.out / "metrics.jsonl", run.out / "plots", config.rl.objective)
+                paths = plot_training_curves(run.out / METRICS_FILE, run.out / "plots", config.rl.objective)
                 run.print(f"[plots] {len(paths)} figures in {run.out / 'plots'}")
             except ValueError as err:  # e.g. an rl stage that logged nothing
                 run.print(f"[plots] skipped: {err}")

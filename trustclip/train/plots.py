@@ -3,13 +3,12 @@ clip fractions against the optimizer step, read from `metrics.jsonl`, raw (faint
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 
 from trustclip import metric_names as names
-from trustclip.files import read_jsonl
+from trustclip.metrics_file import read_series
 
 # file stem -> (title, [(metric, label)])
 PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -19,19 +18,6 @@ PANELS: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "clip_fractions": ("Clipped tokens", [(names.CLIP_LOW, "clipped low (A<0)"),
                                           (names.CLIP_HIGH, "clipped high (A>0)")]),
 }
-
-
-def read_series(path: str | Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """{metric: (steps, values)} of the RL stage's numeric, finite metrics in a metrics.jsonl file, by step (a step
-    logged twice, e.g. by a resumed run, keeps its last value)."""
-    series: dict[str, dict[int, float]] = {}
-    for row in read_jsonl(path):
-        for key, value in row.items():
-            if (row.get("stage") == "rl" and isinstance(value, int | float) and not isinstance(value, bool)
-                    and math.isfinite(value) and key not in ("step", "time")):
-                series.setdefault(key, {})[int(row["step"])] = float(value)
-    return {k: (np.array(sorted(v), dtype=int), np.array([v[s] for s in sorted(v)], dtype=float))
-            for k, v in series.items()}
 
 
 def default_window(n_steps: int) -> int:

@@ -20,29 +20,22 @@ from transformers.trainer_utils import sort_checkpoints
 from trl import SFTConfig
 
 from trustclip.data import build_prompt_rows, sft_examples
-from trustclip.evaluation.config import EvalConfig
 from trustclip.evaluation.evaluator import evaluate
 from trustclip.files import read_json
+from trustclip.integrations.trl.compat import checkpointing_off
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
+from trustclip.metrics_file import METRICS_FILE
 from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_tokenizer
 from trustclip.precision import resolve_bf16
 from trustclip.rewards import CorrectnessReward
+from trustclip.run_data import load_rows
+from trustclip.settings import TrainConfig, eval_config, model_dtype
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
-from trustclip.train.config import TrainConfig
-from trustclip.train.data import load_rows
-from trustclip.trainers.compat import checkpointing_off
-from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
 Printer = Callable[[str], None]
 
 
 # ------------------------------------------------------------------ models
-def model_dtype(config: TrainConfig) -> Any:
-    """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
-    if config.model.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
-    return getattr(torch, config.model.dtype)
-
-
 def policy_source(name_or_path: str | Path, config: TrainConfig) -> str:
     """Where the run's model `name_or_path` loads from: `builtin:tiny` at the run's shape (model.tiny; built once
     and cached per shape), anything else as named."""
@@ -79,7 +72,7 @@ def _quiet_trainer(trainer: Any, stage: str, config: TrainConfig, out: Path, pri
     """Replace the Trainer's tqdm / dict printing by metrics.jsonl + compact progress lines."""
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(HFProgress)
-    trainer.add_callback(JsonlMetricsCallback(out / "metrics.jsonl", stage))
+    trainer.add_callback(JsonlMetricsCallback(out / METRICS_FILE, stage))
     if not config.quiet:
         trainer.add_callback(ProgressCallback(stage, every=getattr(config, stage).max_steps // 15, printer=printer))
 
@@ -160,14 +153,16 @@ def sft_config(config: TrainConfig, folder: Path) -> Any:
 
 
 def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-            rows: list[dict[str, Any]]) -> Any:
-    """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model."""
+            rows: list[dict[str, Any]], args: Any = None) -> Any:
+    """SFT for format with TRL's SFTTrainer (completion-only loss); returns the trained (merged) model. `args`: the
+    stage's SFTConfig as `check_run` built it (None: built here)."""
     from datasets import Dataset
     from trl import SFTTrainer
 
     examples = sft_examples(rows, tokenizer, style=config.data.prompt_style, system_prompt=config.data.system_prompt)
     folder = out / "sft"
-    trainer = SFTTrainer(model=model, args=sft_config(config, folder), train_dataset=Dataset.from_list(examples),
+    args = sft_config(config, folder) if args is None else args
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(examples),
                          processing_class=tokenizer, peft_config=lora_config(config))
     _quiet_trainer(trainer, "sft", config, out, printer)
     trainer.train(resume_from_checkpoint=last_checkpoint(folder, printer) if config.resume else None)
@@ -206,14 +201,15 @@ def reward_function(config: TrainConfig) -> Any:
 
 
 def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: Printer,
-           benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]]) -> Any:
+           benchmarks: dict[str, list[dict[str, Any]]] | None, rows: list[dict[str, Any]], args: Any = None) -> Any:
     """RLVR with the configured objective, evaluating `benchmarks` every rl.eval_every steps; returns the trainer
-    (its model is the trained policy)."""
-    from trustclip.trainers import TrustClipGRPOTrainer
+    (its model is the trained policy). `args`: the stage's TrustClipGRPOConfig as `check_run` built it, objective
+    resolved (None: built here)."""
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
 
     folder = out / "rl"
     trainer = TrustClipGRPOTrainer(
-        model, reward_funcs=reward_function(config), args=grpo_config(config, folder),
+        model, reward_funcs=reward_function(config), args=grpo_config(config, folder) if args is None else args,
         train_dataset=rl_dataset(config, tokenizer, rows), processing_class=tokenizer, peft_config=lora_config(config),
     )
     _quiet_trainer(trainer, "rl", config, out, printer)
@@ -225,12 +221,3 @@ def run_rl(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer: 
         printer(f"[rl] resuming from {checkpoint}")
     trainer.train(resume_from_checkpoint=checkpoint)
     return trainer
-
-
-# ------------------------------------------------------------------ evaluation
-def eval_config(config: TrainConfig) -> Any:
-    """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
-    return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
-                      prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
-                      answer_fallback=config.data.answer_fallback,
-                      reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)

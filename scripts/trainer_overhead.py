@@ -5,7 +5,7 @@ with `token_mean` aggregation, which computes the same loss (tests/test_trainer.
 runs generate the same completions and differ only in the loss code. Each run is a fresh subprocess (peak RSS
 is per process); runs are interleaved A B B A ... so that drifting machine load hits both alike.
 
-    python benchmarks/trainer_overhead.py [--steps 40] [--rounds 3] [--objective kl3 --aggregation dr_grpo]
+    python scripts/trainer_overhead.py [--steps 40] [--rounds 3] [--objective kl3 --aggregation dr_grpo]
                                           [--device cuda]
 
 Prints median step time (TRL's `step_time`: generation + loss + backward + optimizer), the time of the loss
@@ -38,7 +38,7 @@ def build_trainer(kind: str, model, tokenizer, dataset, reward, objective: str, 
     clip_higher + token_mean); both with Dr.GRPO advantages (R - group mean)."""
     from trl import GRPOConfig, GRPOTrainer
 
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
 
     if kind == "trl":
         args = GRPOConfig(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="none", **common)
@@ -59,8 +59,8 @@ def worker(kind: str, steps: int, objective: str, aggregation: str, threads: int
     from datasets import Dataset
 
     from trustclip.data import build_prompt_rows, make_synthetic_splits
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     rows = build_prompt_rows(make_synthetic_splits(0, n_train=512, n_eval=1)["train"], tokenizer)
@@ -107,8 +107,8 @@ def alternated_microbenchmark(objective: str, aggregation: str, threads: int, de
     torch.set_num_threads(threads)
     from datasets import Dataset
 
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import build_tiny_model, load_model_and_tokenizer
-    from trustclip.trainers.compat import checkpointing_off
 
     model, tokenizer = load_model_and_tokenizer(build_tiny_model(seed=0))
     common = dict(output_dir="/tmp/trustclip-bench-micro", per_device_train_batch_size=32, num_generations=8,

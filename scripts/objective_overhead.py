@@ -7,7 +7,7 @@ its metrics reduced when first read, so each path is timed twice: the loss alone
 loss computes) and the loss with its metrics read (`eager+m`, `fused+m`: clip fractions, ratio mean / extremes, KL3,
 the objective's statistics, one device-to-host transfer). Prints the median time per call, the ratios to the inline
 loss, and the kernels one call runs. This measures the loss layer only; in training it is dwarfed by the model's
-forward/backward (see benchmarks/trainer_overhead.py).
+forward/backward (see scripts/trainer_overhead.py).
 
 The fused path (`compute_policy_loss(..., fused=True)`, `trustclip.objectives.fused`) runs the objective, the
 aggregation and the metrics' totals as one `torch.compile`d graph (validation stays eager); its first call per
@@ -22,7 +22,7 @@ dual_clip, kl1, kl2, kl3, is_kl3, atr_adaptive, sapo, cispo, aspo, gspo, atr_seq
 dcpo and trgppo bounds from the old token probability (trgppo solves them by Newton's method), truly_ppo a
 full-vocabulary KL input, clip_cov / kl_cov a batch covariance and a selection (these two have no fused path).
 
-    python benchmarks/objective_overhead.py [--batch 16] [--length 1024] [--repeats 30] [--device cuda]
+    python scripts/objective_overhead.py [--batch 16] [--length 1024] [--repeats 30] [--device cuda]
         [--objectives kl3,clip | ratio] [--no-fused] [--backend inductor]
 """
 

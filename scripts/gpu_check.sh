@@ -2,7 +2,7 @@
 # The GPU check: one script, under 8 minutes on one H100 / H200, for the rare day a GPU is lent (about 15 minutes).
 #
 #   make gpu-wheels                      # here, once: the wheels the GPU image lacks, into .whl/ (versions: the lock)
-#   bash benchmarks/gpu_check.sh [DIR]   # there, from the repository root; DIR defaults to $OUT, else gpu-check/
+#   bash scripts/gpu_check.sh [DIR]   # there, from the repository root; DIR defaults to $OUT, else gpu-check/
 #
 # The image has torch, transformers, peft and accelerate but not TRL, datasets, pydantic or math-verify: the wheels
 # in .whl/ are installed to /tmp/site first where they are missing (nothing else is installed). Steps, each under its own time limit:
@@ -10,9 +10,9 @@
 #   2. the objective tests on CUDA (each reference / finiteness test runs on the CPU and the GPU), the version shims,
 #      mixed precision and the trainer tests;
 #   3. the embedded default (`trustclip train`) on CUDA, and its held-out numbers before -> after;
-#   4. benchmarks/objective_overhead.py --device cuda --objectives ratio (the loss layer, eager and fused, against an
+#   4. scripts/objective_overhead.py --device cuda --objectives ratio (the loss layer, eager and fused, against an
 #      inline PPO loss; each fused objective compiles first, so the ratio objectives only);
-#   5. benchmarks/trainer_overhead.py --device cuda (our trainer against TRL's built-in loss: step time, peak memory).
+#   5. scripts/trainer_overhead.py --device cuda (our trainer against TRL's built-in loss: step time, peak memory).
 # It writes DIR/summary.md (each step's status, time and result lines) beside each step's full log. Without a GPU it
 # says so and runs the CPU-capable parts (step 2 on the CPU), so the script itself is checked anywhere.
 set -uo pipefail
@@ -66,6 +66,6 @@ import json, sys
 summary = json.load(open(sys.argv[1]))
 print("\nembedded default on CUDA, summary.json:", json.dumps({k: v for k, v in summary.items() if "time" not in k})[:1500])
 EOF
-step objective_overhead 240 . $PY benchmarks/objective_overhead.py --device cuda --repeats 30 --objectives ratio
-step trainer_overhead 150 "ratio|TRL|trustclip|GPU" $PY benchmarks/trainer_overhead.py --device cuda --steps 20 --rounds 2
+step objective_overhead 240 . $PY scripts/objective_overhead.py --device cuda --repeats 30 --objectives ratio
+step trainer_overhead 150 "ratio|TRL|trustclip|GPU" $PY scripts/trainer_overhead.py --device cuda --steps 20 --rounds 2
 echo "gpu_check: summary in $SUMMARY"

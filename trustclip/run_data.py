@@ -1,4 +1,5 @@
-"""Rows for the stages: files / hub datasets through `trustclip.data.load_prompts`, and the built-in synthetic task
+"""The rows a run reads (SFT, RL and the benchmarks of `trustclip train`, the benchmarks of `trustclip eval`): files /
+hub datasets through `trustclip.data.load_prompts`, and the built-in synthetic task
 with the levels and sizes of `config.data` (the default run trains on a subset of the levels)."""
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from typing import Any
 
 from trustclip.data.loaders import BUILTIN_PREFIX, load_prompts, parse_benchmark_spec, select_rows
 from trustclip.data.synthetic import DEFAULT_EVAL_SPLITS, LEVELS, make_synthetic_splits
-from trustclip.train.config import TrainConfig
+from trustclip.settings import TrainConfig
 
 
 def load_rows(source: str, config: TrainConfig, *, split: str, subset: str | None = None, limit: int | None = None,
               problem_key: str | None = None, answer_key: str | None = None) -> list[dict[str, Any]]:
     """Rows `{"id", "problem", "answer", ...}` of a file, hub dataset, or `builtin:<split>`."""
     d = config.data
-    if source.startswith(BUILTIN_PREFIX):  # a known split (checks.check_source)
+    if source.startswith(BUILTIN_PREFIX):  # a known split (input_checks.check_source)
         splits = _synthetic(d.seed, d.builtin_n_train, d.builtin_n_eval, tuple(d.builtin_train_levels),
                             d.builtin_max_operand)
         return splits[source.split(":", 1)[1]][:limit]
@@ -34,8 +35,8 @@ def _synthetic(seed: int, n_train: int, n_eval: int, levels: tuple[int, ...], ma
 
 
 def load_benchmarks(config: TrainConfig) -> dict[str, list[dict[str, Any]]]:
-    """`data.eval` specs (checked by `checks.check_benchmarks`) -> {name: rows}. Built-in splits come from this run's
-    synthetic task (its levels, operand range and seed); `data.eval_limit` applies last."""
+    """`data.eval` specs (checked by `input_checks.check_benchmarks`) -> {name: rows}. Built-in splits come from this
+    run's synthetic task (its levels, operand range and seed); `data.eval_limit` applies last."""
     d, out = config.data, {}
     for bench in (bench for spec in d.eval for bench in parse_benchmark_spec(spec)):
         if bench.name in out:  # a library caller that skipped check_benchmarks: no benchmark silently replaced

@@ -15,7 +15,7 @@ From each run it reads:
 - peak RSS of the run's process (os.wait4).
 Then the ratios hf / vllm (> 1: vLLM is faster). Targets (issue 41): evaluation >= 3x, one seed end to end >= 1.3x.
 
-    python benchmarks/vllm_sampler.py [--recipe recipes/smollm2_offpolicy8.yaml] [--rl-steps N] [--rounds 1]
+    python scripts/vllm_sampler.py [--recipe recipes/smollm2_offpolicy8.yaml] [--rl-steps N] [--rounds 1]
                                       [--seed 0] [--keep DIR]
 
 --rl-steps N shortens the RL stage (a quick look at the step and the evaluation); the end-to-end ratio is only the
@@ -43,7 +43,7 @@ def generation_worker(sampler: str, recipe: str, batches: int) -> dict:
     import torch
 
     from trustclip.evaluation.generation import completion_mask
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
     from trustclip.train.stages import load_policy, rl_dataset
 
     config = load_config(recipe)
@@ -55,7 +55,7 @@ def generation_worker(sampler: str, recipe: str, batches: int) -> dict:
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) if isinstance(p, list)
              else p for p in prompts]
     if sampler == "vllm":
-        from trustclip.trainers.vllm_engine import prepare_cpu_engine
+        from trustclip.integrations.trl.vllm_engine import prepare_cpu_engine
 
         prepare_cpu_engine()
         from vllm import LLM, SamplingParams

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trustclip.trainers.zero_advantage import loss_mask
+from trustclip.integrations.trl.zero_advantage import loss_mask
 
 
 class StepCounts:

@@ -1,7 +1,7 @@
 """Every name of TRL's GRPOTrainer (1.16) that `TrustClipGRPOTrainer` relies on beyond TRL's documented API
 (`GRPOConfig`, the constructor, `train()`, `compute_loss`): private methods and trainer state that TRL may rename or
 remove in any release, each with what it is for. The trainer checks them at start-up (`check_trl_surface`);
-tests/test_trl_surface.py checks that each exists in the installed TRL and that every one trl_trainer.py touches is
+tests/test_trl_surface.py checks that each exists in the installed TRL and that every one trainer.py touches is
 listed. The TRL and vLLM names of the weight sync on a CPU (vllm_engine.py) are listed too (VLLM_*), checked when
 vLLM is colocated on a CPU, and by tests/test_vllm.py where vLLM is installed.
 """
@@ -17,7 +17,7 @@ import transformers
 import trl
 from trl import GRPOConfig, GRPOTrainer
 
-from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS
+from trustclip.integrations.trl.zero_advantage import MULTIMODAL_KEYS
 
 # Private methods the subclass overrides -> the parameters its override (or its calls of them) relies on.
 OVERRIDDEN_METHODS: dict[str, tuple[str, ...]] = {
@@ -151,4 +151,4 @@ def check_trl_surface(trainer: Any, vllm_on_cpu: bool = False) -> None:
     missing = missing_names(trainer=trainer) + (missing_vllm_names(trainer) if vllm_on_cpu else [])
     if missing:
         raise RuntimeError(f"TRL {trl.__version__} lacks what TrustClipGRPOTrainer relies on: {'; '.join(missing)}. "
-                           "trustclip supports trl==1.16.* (see trustclip/trainers/trl_surface.py)")
+                           "trustclip supports trl==1.16.* (see trustclip/integrations/trl/surface.py)")

@@ -14,7 +14,7 @@
     training's peak). `--exact` adds top-k storage with k = V - 1 (the whole distribution stored: what exact storage
     of pi_old would cost).
 
-    nice -n 15 python benchmarks/full_kl_memory.py [--part error|memory|all] [--ks 8,16,32,64,128,256]
+    nice -n 15 python scripts/full_kl_memory.py [--part error|memory|all] [--ks 8,16,32,64,128,256]
 
 Targets: max error <= 1e-2 nats per token at the default setting, truly_ppo's peak <= 1.1 x kl3's.
 """
@@ -130,9 +130,9 @@ def worker(objective: str, storage: str, topk: int, args) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
 
+    from trustclip.integrations.trl import TrustClipGRPOConfig, TrustClipGRPOTrainer
+    from trustclip.integrations.trl.compat import checkpointing_off
     from trustclip.models import load_model_and_tokenizer
-    from trustclip.trainers import TrustClipGRPOConfig, TrustClipGRPOTrainer
-    from trustclip.trainers.compat import checkpointing_off
 
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(MODEL)

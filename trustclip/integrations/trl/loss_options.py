@@ -17,7 +17,9 @@ an objective given, the objective replaces the clip and loss_type keeps its mean
 aggregation), as GRPOConfig's own loss_type (always set: TRL cannot tell its default from a given value) must.
 
 Refused, each with what to set instead: loss_type bnpo (per-micro-batch normaliser), luspo and vespo, an unknown
-loss_type, an option TRL itself ignores with the loss type given, scale_rewards batch.
+loss_type, an option TRL itself ignores with the loss type given, scale_rewards batch; and every option where
+objective, aggregation and advantage_estimator are all given (as `trustclip train` always gives them), since it could
+only spell one of those a second time (`refuse_second_spelling`). One policy, the library's and `trustclip train`'s.
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ def translate(options: dict[str, Any]) -> TrlLoss:
     out.objective, out.objective_kwargs = _objective_of(loss_type, loss)
     out.default_clip = loss_type in CLIP_LOSS_TYPES and not {"epsilon", "epsilon_high", "delta"} & loss.keys()
     return out
+
+
+def refuse_second_spelling(options: dict[str, Any], prefix: str = "") -> None:
+    """The policy where objective, aggregation and advantage_estimator are all given (always in `trustclip train`):
+    TRL's loss options `options` could only spell those settings a second time, so any is refused, naming the
+    settings it stands for (or why none computes it). `prefix`: how the caller spells its settings, e.g. 'rl.' (the
+    options are then its `rl.trl_kwargs`). Nothing given, nothing refused."""
+    if not options:
+        return
+    where = f"{prefix}trl_kwargs: " if prefix else ""
+    try:
+        equivalent = translate(options)
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    raise ValueError(f"{where}{spelled(options)} are TRL's loss options, which the trustclip objective replaces; set "
+                     f"{equivalent.as_settings(prefix)} instead")
 
 
 def _objective_of(loss_type: str, loss: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -4,10 +4,10 @@ For n seeds and a distribution of the per-seed difference, draws `--experiments`
 reports, per interval method, its coverage of the true mean (nominal 0.95), its median width (in standard
 deviations of the difference) and how often it resolves (excludes 0 for) a true difference of 2 standard
 deviations. Methods: scipy's percentile and BCa bootstrap, Hesterberg's expanded percentile bootstrap, the
-studentised bootstrap `trustclip compare` uses (`trustclip.evaluation.paired_stats.bootstrap_t_interval`) and the
+studentised bootstrap `trustclip compare` uses (`trustclip.compare.paired_stats.bootstrap_t_interval`) and the
 paired t-interval. The coverage table of docs/compare-statistics.md comes from this script.
 
-    python benchmarks/interval_coverage.py [--experiments 1000] [--seeds 3 4 5 6 8 10]
+    python scripts/interval_coverage.py [--experiments 1000] [--seeds 3 4 5 6 8 10]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import numpy as np
 from scipy import stats
 
-from trustclip.evaluation.paired_stats import bootstrap_t_interval
+from trustclip.compare.paired_stats import bootstrap_t_interval
 
 DISTRIBUTIONS = {  # centred: the true mean is 0; scaled to unit sd below
     "normal": lambda rng, n: rng.standard_normal(n),
