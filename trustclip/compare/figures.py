@@ -89,8 +89,9 @@ def make_figures(groups: Sequence[Group], splits: Sequence[str], metrics: Sequen
         avg, panels = splits[-1], {}
         for m in metrics:
             key = f"final/{avg}/{m}"
-            panels[m] = {g.group: [(seed, ref.values.get(key, {})[seed], y) for seed, y in g.values.get(key, {}).items()
-                                   if seed in ref.values.get(key, {})] for g in groups if g is not ref}
+            reference_by_seed = ref.values.get(key, {})
+            panels[m] = {g.group: [(seed, reference_by_seed[seed], y) for seed, y in g.values.get(key, {}).items()
+                                   if seed in reference_by_seed] for g in groups if g is not ref}
             rows.extend({"figure": "paired_by_seed", "panel": m, "group": group, "x": x, "mean": y, "std": math.nan,
                          "n_seeds": 1} for group, pts in panels[m].items() for _, x, y in pts)
         if any(pts for panel in panels.values() for pts in panel.values()):
