@@ -758,10 +758,19 @@ def test_a_stop_signal_stops_the_workers_and_the_rerun_resumes_them(fake_env, mo
     130 with its handlers restored; the rerun resumes that run (the trainer's resume) and starts nothing else."""
     gate, run_dir, said = fake_env.parent / "gate", fake_env / "runs" / "clip" / "seed0", []
     monkeypatch.setenv("FAKE_GATE_clip", str(gate))  # the run waits for the gate
-    before = signal.getsignal(sig)
-    _signal_when_running(run_dir, sig)
-    assert run_compare(one_rl_run(fake_env), say=said.append) == 130
-    assert signal.getsignal(sig) is before and any("interrupted: stopped 1 running run(s)" in s for s in said)
+    # pytest started by `nohup` or `&` inherits the signal ignored, and the compare rightly keeps it ignored (the test
+    # below): give this process a handler of its own, as an interactive shell does.
+    def before(*_):
+        return None
+
+    previous = signal.signal(sig, before)
+    try:
+        _signal_when_running(run_dir, sig)
+        assert run_compare(one_rl_run(fake_env), say=said.append) == 130
+        assert signal.getsignal(sig) is before
+    finally:
+        signal.signal(sig, previous)
+    assert any("interrupted: stopped 1 running run(s)" in s for s in said)
     assert not _alive(next(r["pid"] for r in events(fake_env) if r["event"] == "start" and r["run"] == "clip/seed0"))
     assert [r["run"] for r in events(fake_env) if r["event"] == "interrupted"] == ["clip/seed0"]
     gate.touch()
