@@ -14,7 +14,7 @@ UV_VERSION := 0.13.9
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: run test test-min lint lock gpu-wheels clean table2 table3 figure3 beyond rivals experiments smollm2 smollm2-compare smollm2-figure3 smollm2-headline
+.PHONY: run test test-min lint lock gpu-wheels clean table2 table3 figure3 beyond rivals experiments smollm2 smollm2-vllm smollm2-compare smollm2-figure3 smollm2-headline
 
 # $(call locked_venv,VENV,LOCK): a virtual environment with exactly the versions of LOCK, then trustclip (editable).
 define locked_venv
@@ -123,9 +123,16 @@ experiments: table2 table3 figure3 beyond
 
 # RL on a real LM (README, "A real model"): recipes/smollm2_arith.yaml on SEEDS seeds (SFT, evaluation before, ATR-GRPO,
 # evaluation after; one at a time), resumable; the report gives each seed's RL start -> after and the paired interval.
+# smollm2-vllm: the same with the RL completions sampled by vLLM (in-process, eager; TRL's importance-sampling
+# correction on) in its own pool: the vLLM path checked on a real LM (README, "vLLM as the sampler").
+SMOLLM2_ARITH = $(VENV)/bin/trustclip compare --config recipes/smollm2_arith.yaml --objectives kl3 --seeds $(SEEDS) \
+	  --jobs 1 --threads-per-job 2
 smollm2: $(STAMP) $(MODELS_STAMP)
-	$(VENV)/bin/trustclip compare --config recipes/smollm2_arith.yaml --objectives kl3 --seeds $(SEEDS) \
-	  --runs-dir runs/smollm2 --output-dir runs/smollm2/arith --jobs 1 --threads-per-job 2
+	$(SMOLLM2_ARITH) --runs-dir runs/smollm2 --output-dir runs/smollm2/arith
+
+smollm2-vllm: $(STAMP) $(MODELS_STAMP)
+	$(SMOLLM2_ARITH) --set rl.use_vllm=true --set rl.vllm_enforce_eager=true --set 'rl.trl_kwargs={}' \
+	  --runs-dir runs/smollm2-vllm --output-dir runs/smollm2-vllm/arith
 
 # The paper's comparison on a real LM (docs/results-cpu.md, "A real LM", 7.2): recipes/smollm2_offpolicy8.yaml with
 # clip, ATR, the unconstrained control and clip_higher on SEEDS seeds, seed-major (a stopped pool has whole seeds), one
