@@ -483,6 +483,29 @@ def test_a_section_field_named_after_no_library_field_is_refused():
         library_option(TrustClipGRPOConfig, "max_grad_nrom", rule="> 0")
 
 
+def test_a_stage_hands_over_the_fields_declared_as_library_options_and_no_other():
+    """The hand-over to TRL follows each field's declaration (`library_option` names the TRL field), so a reader can
+    trace rl.objective to TrustClipGRPOConfig.objective by name; a field of trustclip's own that happens to share a
+    TRL name is not handed over."""
+    from dataclasses import dataclass
+
+    from trl import SFTConfig
+
+    from trustclip.options import option
+    from trustclip.settings import library_option, library_settings, load_config
+
+    @dataclass
+    class Section:
+        max_steps: int = option(5, "trustclip's own count, not TRL's")
+        learning_rate: float = library_option(SFTConfig, "learning_rate", 0.1)
+
+    assert library_settings(Section()) == {"learning_rate": 0.1}
+    rl = load_config(None, ["rl.objective=clip"]).rl
+    handed = library_settings(rl)
+    assert handed["objective"] == "clip" and handed["objective_kwargs"] == rl.objective_kwargs
+    assert not {"eval_every", "reward_timeout", "trl_kwargs"} & set(handed)
+
+
 # The embedded CPU run's own values of the fields the sections share with TRL's configs; every other shared field
 # keeps the library's default.
 EMBEDDED_SFT = {"max_steps": 200, "learning_rate": 3e-3, "lr_scheduler_type": "constant",

@@ -10,11 +10,12 @@ from typing import Any
 STRICT = {"extra": "forbid", "allow_inf_nan": False}
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - dataclasses' metadata["help"], as TRL's configs
-    """A field with `default` (a list or dict is copied for each instance) and its `help`."""
+def option(default: Any, help: str, **metadata: Any) -> Any:  # noqa: A002 - metadata["help"], as TRL's configs
+    """A field with `default` (a list or dict is copied for each instance), its `help` and any other `metadata`."""
+    metadata = {"help": help, **metadata}
     if isinstance(default, list | dict):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def check(ok: bool, name: str, value: Any, rule: str) -> None:

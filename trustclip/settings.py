@@ -10,7 +10,7 @@ this layout: they give each dataclass field one flat `--name` (the SFT and RL se
 Each setting is declared once, and every field of a section is visible in its class: a field TRL's `SFTConfig` or
 trustclip's `TrustClipGRPOConfig` also has takes its help and default from there (`library_option`; a value given
 there is the embedded run's own), the evaluation settings are `trustclip.evaluation.EvalArgs`, and the stages hand
-every field of the same name to TRL (`train/stages.py`).
+exactly those fields to TRL, each to the field its declaration names (`library_settings`, `train/stages.py`).
 """
 
 from __future__ import annotations
@@ -130,15 +130,23 @@ def _check_optimizer(section: Any, name: str) -> None:
 
 def library_option(library: type, name: str, *own: Any, rule: str = "") -> Any:
     """A section field that is also the field `name` of `library` (TRL's SFTConfig, TrustClipGRPOConfig), which the
-    stage hands over by name: the library's help, plus `rule` (what trustclip train requires beyond the library's own
-    checks, or how it reads the field), and the library's default unless the section states its own (`own`: the
-    embedded CPU run's value). The section declares the field's type, strictly (no bool for an int, no string for a
-    number; a step count TRL also takes as a fraction of the run keeps a whole number whole)."""
+    stage hands over to that field (`library_settings`): the library's help, plus `rule` (what trustclip train
+    requires beyond the library's own checks, or how it reads the field), and the library's default unless the
+    section states its own (`own`: the embedded CPU run's value). The section declares the field's type, strictly (no
+    bool for an int, no string for a number; a step count TRL also takes as a fraction of the run keeps a whole number
+    whole)."""
     declared = {f.name: f for f in dataclasses.fields(library)}.get(name)
     if declared is None:  # a misspelt or stale name would otherwise reach TRL only when the stage runs
         raise TypeError(f"{library.__name__} has no field {name!r}")
     help_text = declared.metadata["help"] + (f" In trustclip train: {rule}." if rule else "")
-    return option(own[0] if own else declared.default, help_text)
+    return option(own[0] if own else declared.default, help_text, library_field=name)
+
+
+def library_settings(section: Any) -> dict[str, Any]:
+    """The section's `library_option` fields as the library's keyword arguments ({library field: value}): the one
+    hand-over from a recipe section to TRL's config, declared field by field above."""
+    return {f.metadata["library_field"]: getattr(section, f.name)
+            for f in dataclasses.fields(section) if "library_field" in f.metadata}
 
 
 @dataclass

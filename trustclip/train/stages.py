@@ -3,7 +3,6 @@ SFT for format (TRL `SFTTrainer`), RLVR (`TrustClipGRPOTrainer`), and held-out e
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import re
@@ -29,7 +28,7 @@ from trustclip.models import TINY_MODEL_NAME, build_tiny_model, load_model_and_t
 from trustclip.precision import resolve_bf16
 from trustclip.rewards import CorrectnessReward
 from trustclip.run_data import load_rows
-from trustclip.settings import TrainConfig, eval_config, model_dtype
+from trustclip.settings import TrainConfig, eval_config, library_settings, model_dtype
 from trustclip.train.callbacks import JsonlMetricsCallback, PeriodicEvalCallback, ProgressCallback
 
 Printer = Callable[[str], None]
@@ -118,12 +117,11 @@ def _whole_safetensors(path: Path) -> bool:
         return False
 
 
-def _trainer_args(config: TrainConfig, folder: Path, section: Any, trl_config: type) -> dict[str, Any]:
-    """TrainingArguments of a stage: the section's fields that `trl_config` has (same names, handed over as they
-    are: one declaration), and the settings every stage shares (the GPU if there is one, the run's `bf16`)."""
-    same_name = {f.name for f in dataclasses.fields(trl_config)}
+def _trainer_args(config: TrainConfig, folder: Path, section: Any) -> dict[str, Any]:
+    """TrainingArguments of a stage: the section's library options (`library_settings`: each field names the TRL
+    field it fills), and the settings every stage shares (the GPU if there is one, the run's `bf16`)."""
     return dict(
-        {k: v for k, v in dataclasses.asdict(section).items() if k in same_name},
+        library_settings(section),
         output_dir=str(folder), seed=config.seed, report_to=config.report_to or "none", disable_tqdm=True,
         save_strategy="steps", **checkpointing_off(), dataloader_num_workers=0,
         bf16=resolve_bf16(config.bf16), use_cpu=not torch.cuda.is_available(),
@@ -148,7 +146,7 @@ def sft_rows(config: TrainConfig) -> list[dict[str, Any]]:
 def sft_config(config: TrainConfig, folder: Path) -> Any:
     """TRL's SFTConfig of the SFT stage (its own checks run here)."""
     s = config.sft
-    return SFTConfig(**_trainer_args(config, folder, s, SFTConfig), save_steps=max(1, s.max_steps // 2),
+    return SFTConfig(**_trainer_args(config, folder, s), save_steps=max(1, s.max_steps // 2),
                      save_total_limit=1, logging_steps=max(1, s.max_steps // 30), completion_only_loss=True)
 
 
@@ -175,7 +173,7 @@ def run_sft(model: Any, tokenizer: Any, config: TrainConfig, out: Path, printer:
 # ------------------------------------------------------------------ RL
 def grpo_config(config: TrainConfig, folder: Path) -> Any:
     """TRL's GRPOConfig (with the objective) of the RL stage, plus `rl.trl_kwargs`; its checks (and TRL's) run here."""
-    return TrustClipGRPOConfig(**_trainer_args(config, folder, config.rl, TrustClipGRPOConfig), **config.rl.trl_kwargs)
+    return TrustClipGRPOConfig(**_trainer_args(config, folder, config.rl), **config.rl.trl_kwargs)
 
 
 def rl_rows(config: TrainConfig) -> list[dict[str, Any]]:
