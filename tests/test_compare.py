@@ -956,6 +956,41 @@ def test_held_out_length_and_entropy_are_outcomes_only_where_recorded(fake_env, 
     assert table.splitlines()[2].startswith("| clip | n/a | 22.5 ± 3.5 | n/a | 0.550 ± 0.071 |")  # no before stats
 
 
+def test_the_report_shows_how_many_held_out_problems_can_separate_the_groups(fake_env, monkeypatch):
+    """Where the final evaluations recorded each problem's count of correct samples, the report gives per split and
+    group the share of problems solved 0 of K and K of K times, and the share of (seed, problem) pairs tied with the
+    reference at one of those extremes; problems.csv has every count. Runs without the counts: no such section."""
+    from trustclip.compare.report import problem_rows, problems_table
+    from trustclip.compare.results import group_runs, load_run, splits_of
+
+    settings = fake_settings(fake_env, objectives=("clip", "atr"), seeds=(0, 1))
+    runs = [spec for spec in finish_in_process(settings, monkeypatch) if spec.kind == "rl"]
+    assert problems_table(group_runs([load_run(spec) for spec in runs]), ["s1", "s2"], 2, "clip") is None
+    s1 = {("clip", 0): [0, 2, 1, 2], ("clip", 1): [0, 0, 2, 1], ("kl3", 0): [0, 2, 2, 1], ("kl3", 1): [1, 0, 2, 2]}
+    for spec in runs:
+        path = spec.run_dir / "eval" / "after.json"
+        data = json.loads(path.read_text())
+        data["solved"] = {"s1": s1[(spec.objective, spec.seed)], "s2": [2, 2, 2, 2]}  # s2: every sample right
+        path.write_text(json.dumps(data))
+    records = [load_run(spec) for spec in runs]
+    groups = group_runs(records)
+    rows = [line.split(" | ") for line in problems_table(groups, splits_of(records), 2, "clip").splitlines()[2:]]
+    assert [[cell.strip("| ") for cell in row] for row in rows] == [
+        ["s1", "clip", "2", "4", "37.5", "37.5", "-"],  # 0 of 2: 1/4 and 2/4 of the problems; 2 of 2: 2/4, 1/4
+        ["s1", "atr", "2", "4", "25.0", "50.0", "50.0"],  # tied at 0 or 2 with clip's run: 2 of 4 on each seed
+        ["s2", "clip", "2", "4", "0.0", "100.0", "-"],
+        ["s2", "atr", "2", "4", "0.0", "100.0", "100.0"]]  # nothing on s2 can separate them
+    assert problems_table(groups, splits_of(records), 2, None).splitlines()[0].count("|") == 7  # no tied column
+    csv_rows = problem_rows(groups)
+    assert len(csv_rows) == 2 * 2 * 2 * 4
+    assert [r["solved"] for r in csv_rows if r["group"] == "atr" and r["seed"] == 1 and r["split"] == "s1"] == [
+        1, 0, 2, 2]
+    write_json_atomic(fake_env / "compare.json", settings.experiment())
+    assert cli_main(["compare", "--output-dir", str(fake_env), "--report-only"]) == 0
+    assert "## Held-out problems: how many can separate the groups" in (fake_env / "report.md").read_text()
+    assert (fake_env / "problems.csv").read_text().count("\n") == 1 + 32
+
+
 def test_dynamics_table_shows_what_acts_in_cfpo_and_m2po_only_where_logged(fake_env, monkeypatch):
     """cfpo never clips (clip_frac 0) and m2po masks whatever the sign of A: their own statistics, under the names the
     objectives give them, get a column (n/a for the runs that did not log them); reports without them are unchanged."""

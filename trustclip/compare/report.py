@@ -1,5 +1,6 @@
 """The comparison report: `report.md`, `results.csv` (the tidy table), `results.json` (the settings, the groups and the
-paired comparisons) and `curves.csv` (the data of every figure); table cells round the CSV's fractions to percentages.
+paired comparisons), `curves.csv` (the data of every figure) and `problems.csv` (each run's count per held-out problem,
+where its evaluation recorded them); table cells round the CSV's fractions to percentages.
 Comparing sentences are `difference_sentence`s: nothing whose 95 % interval includes 0 is called higher or lower."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trustclip.compare.figures import make_figures
 from trustclip.compare.paired_stats import (
@@ -169,6 +172,47 @@ def completions_table(groups: Sequence[Group]) -> str | None:
     return stat_table(groups, columns) if columns else None
 
 
+def problems_table(groups: Sequence[Group], splits: Sequence[str], k: int, reference: str | None) -> str | None:
+    """Per held-out split and group, the share of problems the final policy solved 0 of K and K of K times (mean over
+    seeds, %), and the share of (seed, problem) pairs at the same extreme as the reference's run of that seed: such a
+    problem adds exactly 0 to the paired difference, so a split where most are tied cannot separate the groups. None
+    where no evaluation recorded its per-problem counts."""
+    runs = {g.group: {r.spec.seed: r.solved for r in g.runs if r.solved} for g in groups}
+    if not any(runs.values()):
+        return None
+    ref = runs.get(reference or "", {})
+
+    def share(values: list[bool]) -> str:
+        return fmt(float(np.mean(values))) if values else "n/a"
+
+    rows = []
+    for split in (s for s in splits if s != AVERAGE):
+        for g in groups:
+            counts = {seed: c[split] for seed, c in runs[g.group].items() if split in c}
+            if not counts:
+                continue
+            per_run = [(np.mean([c == 0 for c in cs]), np.mean([c == k for c in cs])) for cs in counts.values()]
+            tied: list[bool] = []
+            for seed, cs in counts.items() if g.group != reference else ():
+                theirs = ref.get(seed, {}).get(split)
+                if theirs is not None and len(theirs) == len(cs):  # the same problems, in order
+                    tied += [a == b and a in (0, k) for a, b in zip(cs, theirs, strict=True)]
+            rows.append([title_of(split), g.group, len(counts), len(next(iter(counts.values()))),
+                         fmt(float(np.mean([z for z, _ in per_run]))), fmt(float(np.mean([a for _, a in per_run]))),
+                         *([share(tied) if g.group != reference else "-"] if reference else [])])
+    head = ["Split", "Objective", "seeds", "problems", f"0 of {k} (%)", f"{k} of {k} (%)"]
+    return _table(head + ([f"tied with {reference} at 0 or {k} (%)"] if reference else []), rows,
+                  "|---" + "|---:" * (len(rows[0]) - 2))
+
+
+def problem_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
+    """problems.csv: every final policy's correct samples of each held-out problem (run, group, seed, split, problem,
+    solved, k)."""
+    return [{"run": r.spec.run_id, "group": g.group, "seed": r.spec.seed, "split": split, "problem": i,
+             "solved": c, "k": r.k} for g in groups for r in g.runs for split, counts in r.solved.items()
+            for i, c in enumerate(counts)]
+
+
 def paired_table(diffs: Sequence[Difference], k: int) -> str:
     """One row per (group, outcome): group - reference, its interval, seeds, verdict and seeds needed."""
     if not diffs:
@@ -251,12 +295,21 @@ def write_report(records: Sequence[RunRecord], groups: Sequence[Group], out: str
         md += ["## Held-out completions (mean ± std over seeds)", held_out,
                "The evaluation's samples (K per problem, the evaluation's temperature), averaged over the held-out "
                "splits; entropy: the policy's own next-token distribution (T = 1) over each completion's tokens."]
+    if (problems := problems_table(groups, splits, k, reference if finished_reference else None)) is not None:
+        md += [f"## Held-out problems: how many can separate the groups (final policies, K = {k})", problems,
+               f"Per run, the share of the split's problems its final policy solved in none and in all of its {k} "
+               "samples, mean over seeds; tied: (seed, problem) pairs where the run and the reference's run of the "
+               "same seed are both at 0 or both at K, which add exactly 0 to that seed's difference. Every run's "
+               "count per problem: `problems.csv`."]
     md += ["## Figures", "\n".join(f"![{p.stem}]({p.relative_to(out).as_posix()})" for p in figs)]
     return {"report": write_text_atomic(out / "report.md", "\n\n".join(md) + "\n"),
             "csv": _write_csv(out / "results.csv", tidy([r for g in groups for r in g.runs]),
                               ["run", "group", "seed", "outcome", "value"]),
             "curves": _write_csv(out / "curves.csv", curve_rows, ["figure", "panel", "group", "x", "mean", "std",
                                                                    "n_seeds"]),
+            **({"problems": _write_csv(out / "problems.csv", rows, ["run", "group", "seed", "split", "problem",
+                                                                    "solved", "k"])}
+               if (rows := problem_rows(groups)) else {}),
             "json": write_json_atomic(out / "results.json", {  # the runs' numbers are in results.csv only
                 "settings": settings, "reference": reference, "k": k, "splits": splits, "metrics": metrics,
                 "planned": [s.run_id for s in planned], "missing": missing, "failed": failed,

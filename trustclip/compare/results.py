@@ -87,6 +87,7 @@ class RunRecord:
     series: dict[str, tuple[np.ndarray, np.ndarray]]  # RL metric -> (steps, values)
     seconds: dict[str, float]
     completions: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # final|before -> split -> stats
+    solved: dict[str, list[int]] = field(default_factory=dict)  # split -> correct samples (of k) of each problem, final
 
 
 def _average_curve(curves: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, list[float]]]:
@@ -132,7 +133,8 @@ def load_run(spec: RunSpec) -> RunRecord:
                      _average_curve(after.get("curves") or {}), series,
                      {str(a): float(b) for a, b in (summary.get("seconds") or {}).items()},
                      {w: e["completion_stats"] for w, e in (("final", after), ("before", before))
-                      if e and e.get("completion_stats")})
+                      if e and e.get("completion_stats")},
+                     {split: [int(c) for c in counts] for split, counts in (after.get("solved") or {}).items()})
 
 
 def run_rows(record: RunRecord) -> dict[str, float]:
