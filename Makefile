@@ -58,7 +58,7 @@ run: $(STAMP) $(MODELS_STAMP)
 	$(VENV)/bin/trustclip train
 
 test: $(STAMP) $(MODELS_STAMP) $(VERL_STAMP) $(MIN_STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -rs  # -rs: each skipped test and why
 	$(VERL_VENV)/bin/pytest -q -p no:asyncio tests/verl_plugin  # pytest-asyncio comes with verl[verl-core]; no test is async
 	$(MAKE) --no-print-directory test-min
 
