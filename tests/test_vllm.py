@@ -101,6 +101,22 @@ def test_the_sync_casts_to_the_engines_dtype_and_drops_only_expected_warnings(ti
     assert not logging.getLogger(vllm_engine.RELOAD_LOGGER).filters  # the filter lives only for the sync
 
 
+def test_the_engine_start_drops_only_the_half_precision_load_warnings(caplog):
+    """While TRL builds its engine, vLLM's warning per float32 tensor loaded into a bfloat16 / float16 engine is
+    dropped; another mismatch, and the same warning after the start, still reach the log."""
+    load = logging.getLogger(vllm_engine.LOAD_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=vllm_engine.LOAD_LOGGER):
+        with vllm_engine.engine_options(enforce_eager=True):
+            for name, loaded, param in (("a", torch.float32, torch.bfloat16), ("b", torch.float32, torch.float16),
+                                        ("c", torch.float64, torch.bfloat16), ("d", torch.bfloat16, torch.int8)):
+                load.warning(vllm_engine.LOAD_CAST, name, loaded, param)
+        load.warning(vllm_engine.LOAD_CAST, "e", torch.float32, torch.bfloat16)
+    assert [r.args[0] for r in caplog.records if r.name == vllm_engine.LOAD_LOGGER] == ["c", "d", "e"]
+    assert not load.filters
+    # both loggers' modules are on the checked surface (a move would leave the filters dropping nothing)
+    assert {vllm_engine.LOAD_LOGGER, vllm_engine.RELOAD_LOGGER} <= set(trl_surface.VLLM_MODULE_ATTRIBUTES)
+
+
 def test_every_vllm_name_of_the_cpu_sync_exists():
     assert trl_surface.missing_vllm_names() == []
 

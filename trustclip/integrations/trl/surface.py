@@ -88,8 +88,11 @@ VLLM_METHODS: dict[str, tuple[str, ...]] = {
     "vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.process_weights_after_loading":
         ("layer",),  # re-packs the tied head's weight for the CPU GEMM
 }
-# Module attributes: TRL's `LLM`, wrapped with enforce_eager while TRL builds its engine (vllm_engine.engine_options).
-VLLM_MODULE_ATTRIBUTES = {"trl.generation.vllm_generation": ("LLM",)}
+# Module attributes: TRL's `LLM`, wrapped with enforce_eager while TRL builds its engine (vllm_engine.engine_options);
+# the loggers of vLLM's load and layer-wise reload, whose expected warnings vllm_engine drops (LOAD_LOGGER,
+# RELOAD_LOGGER name these modules: moved, the filters would drop nothing).
+VLLM_MODULE_ATTRIBUTES = {"trl.generation.vllm_generation": ("LLM",), "vllm.model_executor.models.utils": ("logger",),
+                          "vllm.model_executor.model_loader.reload.layerwise": ("logger",)}
 # The path from the trainer to the vLLM worker, attribute by attribute (instances, after TRL built the engine).
 VLLM_INSTANCE_PATH = ("vllm_generation", "llm", "llm_engine", "model_executor", "driver_worker", "model_runner")
 

@@ -33,17 +33,33 @@ def needs_cpu_engine(args: Any) -> bool:
     return bool(args.use_vllm) and args.vllm_mode == "colocate" and not torch.cuda.is_available()
 
 
+# vLLM logs one warning per tensor that its load casts to another dtype. Loading a float32 checkpoint (an SFT model, a
+# policy trained in float32) into a bfloat16 / float16 engine casts every tensor, as asked: 121 lines at the start of
+# each SmolLM2 run. Those are dropped while TRL builds its engine; any other mismatch still warns.
+LOAD_LOGGER = "vllm.model_executor.models.utils"
+LOAD_CAST = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+
+
+def _not_a_half_precision_load(record: logging.LogRecord) -> bool:
+    return not (record.msg == LOAD_CAST and len(record.args or ()) == 3 and record.args[1] == torch.float32
+                and record.args[2] in (torch.bfloat16, torch.float16))
+
+
 @contextlib.contextmanager
 def engine_options(enforce_eager: bool) -> Iterator[None]:
-    """While TRL builds its colocated `LLM`, build it with `enforce_eager` (TRL passes no such option)."""
+    """While TRL builds its colocated `LLM`, build it with `enforce_eager` (TRL passes no such option), without a
+    warning per tensor of a float32 checkpoint loaded in half precision."""
     from trl.generation import vllm_generation
 
     original = vllm_generation.LLM
     vllm_generation.LLM = functools.partial(original, enforce_eager=enforce_eager)
+    load_logger = logging.getLogger(LOAD_LOGGER)
+    load_logger.addFilter(_not_a_half_precision_load)
     try:
         yield
     finally:
         vllm_generation.LLM = original
+        load_logger.removeFilter(_not_a_half_precision_load)
 
 
 def sync_weights_in_place(generation: Any) -> None:
