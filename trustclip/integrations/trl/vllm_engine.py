@@ -34,7 +34,7 @@ def needs_cpu_engine(args: Any) -> bool:
 
 
 # vLLM logs one warning per tensor that its load casts to another dtype. Loading a float32 checkpoint (an SFT model, a
-# policy trained in float32) into a bfloat16 / float16 engine casts every tensor, as asked: 121 lines at the start of
+# policy trained in float32) into a bfloat16 / float16 engine casts every tensor, as asked: 122 lines at the start of
 # each SmolLM2 run. Those are dropped while TRL builds its engine; any other mismatch still warns.
 LOAD_LOGGER = "vllm.model_executor.models.utils"
 LOAD_CAST = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
