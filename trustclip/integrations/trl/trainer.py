@@ -95,8 +95,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
         on_cpu = needs_cpu_engine(args)  # vLLM's CPU build: its own set-up and weight sync (vllm_engine.py)
         if on_cpu:
             prepare_cpu_engine()
-        eager = args.use_vllm and args.vllm_mode == "colocate" and args.vllm_enforce_eager
-        with engine_options(enforce_eager=True) if eager else contextlib.nullcontext():
+        colocated = args.use_vllm and args.vllm_mode == "colocate"  # TRL builds the engine in this process
+        with engine_options(enforce_eager=args.vllm_enforce_eager) if colocated else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, **kwargs)
         check_trl_surface(self, vllm_on_cpu=on_cpu)  # every private TRL name used below exists (surface.py)
         if on_cpu:
