@@ -4,6 +4,7 @@ bf16 refuses it up front. Tiny offline model."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -211,3 +212,121 @@ def test_bf16_in_trl_kwargs_points_to_the_top_level_setting():
 
     with pytest.raises(ValueError, match=r"run-wide settings \(bf16: set them at the top level"):
         load_config(None, ["rl.trl_kwargs={bf16: true}"])
+
+
+# ------------------------------------------------------------------------- LoRA layers under autocast (merged product)
+def one_lora_layer(dropout: float = 0.0, b_std: float = 1e-3):
+    """A 256 -> 256 linear layer (outputs ~8) with a LoRA adapter whose contribution (~0.003) is below half a bfloat16
+    step of the output, as an RL update of a few steps is."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+
+    class Proj(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(256, 256, bias=False)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    base = Proj()
+    torch.nn.init.normal_(base.proj.weight, std=0.5)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["proj"], lora_dropout=dropout))
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=b_std)
+    return model, layer
+
+
+def shown_share_of_the_adapter(model, layer, x) -> float:
+    """Regression slope of what the layer's autocast output shows of the adapter on what it adds in float32."""
+    with torch.no_grad():
+        exact = model(x)
+        base = layer.base_layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x).float()
+    added = exact - base
+    return float(((low - base) * added).sum() / (added * added).sum())
+
+
+@needs_bf16
+def test_under_autocast_the_merged_product_shows_the_whole_adapter_where_peft_erases_most_of_it():
+    model, layer = one_lora_layer()
+    x = torch.randn(64, 256)
+    peft_share = shown_share_of_the_adapter(model, layer, x)
+    assert precision.merge_lora_under_autocast(model) == 1
+    merged_share = shown_share_of_the_adapter(model, layer, x)
+    assert peft_share < 0.5, peft_share  # PEFT rounds the base output, adds the adapter, rounds again: 0.33
+    assert 0.9 < merged_share < 1.1, merged_share  # one rounding of x (W + s B A): 1.05
+    with torch.no_grad():  # outside autocast the layer is PEFT's, to the bit
+        plain = model(x)
+        layer.forward = layer.forward.args[1]
+        assert torch.equal(plain, model(x))
+
+
+@needs_bf16
+def test_the_merged_product_is_the_samplers_arithmetic(tiny_model_path):
+    """Under autocast the patched policy computes what the merged copy (the sampler's weights) computes, exactly."""
+    policy, tokenizer = lora_policy(tiny_model_path)
+    ids = tokenizer(["Compute 3+4. Answer:", "Compute 12+5. Answer:"], return_tensors="pt", padding=True)
+    merged = precision.LowPrecisionCopy(policy, torch.float32).model
+    assert precision.merge_lora_under_autocast(policy) == 3 * policy.config.num_hidden_layers
+    assert precision.merge_lora_under_autocast(policy) == 3 * policy.config.num_hidden_layers  # idempotent
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(policy(**ids).logits, merged(**ids).logits)
+
+
+def test_the_merged_products_gradient_is_peft_s(monkeypatch):
+    """The merged product's gradient with respect to A and B, taken in float64 (the formula without the rounding),
+    equals PEFT's forward's."""
+    model, layer = one_lora_layer(b_std=0.1)
+    model.double()
+    x = torch.randn(16, 256, dtype=torch.float64)
+
+    def grads():
+        model.zero_grad()
+        (model(x) ** 2).sum().backward()
+        return [p.grad.clone() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+
+    want = grads()
+    precision.merge_lora_under_autocast(model)
+    monkeypatch.setattr(precision, "_merged_product_applies", lambda *_: True)  # the merged path, in float64
+    got = grads()
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-9)
+        assert not torch.equal(g, torch.zeros_like(g))
+
+
+@needs_bf16
+def test_an_active_lora_dropout_keeps_peft_s_forward():
+    model, layer = one_lora_layer(dropout=0.5)
+    precision.merge_lora_under_autocast(model)
+    x = torch.randn(8, 256)
+    calls = []
+    peft_forward = layer.forward.args[1]
+    layer.forward.keywords.clear()
+    layer.forward = functools.partial(precision._merged_lora_forward, layer,
+                                      lambda *a, **k: calls.append(1) or peft_forward(*a, **k))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.train()
+        model(x)
+        assert calls == [1]  # training with dropout: the adapter's input dropout needs PEFT's separate product
+        model.eval()
+        model(x)
+        assert calls == [1]  # evaluation: no dropout, the merged product
+
+
+@needs_bf16
+@pytest.mark.parametrize("merged", [True, False])
+def test_the_trainer_merges_lora_layers_under_bf16_unless_told_not_to(tiny_model_path, tmp_path, merged):
+    policy, tokenizer = lora_policy(tiny_model_path)
+    trainer = make_trainer((policy, tokenizer), tmp_path, objective="kl3", bf16=True, max_steps=1,
+                           merged_lora_forward=merged)
+    from peft.tuners.lora import Linear as LoraLinear
+
+    layers = [m for m in trainer.model.modules() if isinstance(m, LoraLinear)]
+    assert layers and all((getattr(m.forward, "func", None) is precision._merged_lora_forward) == merged
+                          for m in layers)
+    first = first_update(trainer)  # the old-log-prob and the update forwards take the same path
+    assert first["objective/ratio_max"] == 1.0 and first["objective/ratio_min"] == 1.0

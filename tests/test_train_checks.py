@@ -545,6 +545,23 @@ def test_library_fields_are_declared_once_and_the_recipe_states_its_own_values()
     assert (plain.objective, plain.aggregation, plain.advantage_estimator) == ("kl3", "dr_grpo", "dr_grpo")
 
 
+def test_a_run_saved_before_merged_lora_forward_resumes_without_it(tmp_path):
+    """A config.yaml written before `rl.merged_lora_forward` existed is a run that trained with PEFT's forward: resumed,
+    it keeps that; a run that states the setting keeps its value, and a new run gets the default."""
+    import yaml
+
+    from trustclip.settings import TrainConfig, load_config, resume_config
+
+    saved = TrainConfig().to_dict()
+    del saved["rl"]["merged_lora_forward"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert resume_config({"output_dir": str(tmp_path)}).rl.merged_lora_forward is False
+    saved["rl"]["merged_lora_forward"] = True
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert resume_config({"output_dir": str(tmp_path)}).rl.merged_lora_forward is True
+    assert load_config(None, []).rl.merged_lora_forward is True
+
+
 def test_a_resumed_run_keeps_its_stages(tmp_path):
     """`stages` decides what a run computes (RL from the SFT model or from the base model), so it is not run
     control: resuming a run with other stages is an error naming both values."""

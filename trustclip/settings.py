@@ -225,6 +225,7 @@ class RLArgs:
     vllm_mode: StrictStr = library_option(_GRPO, "vllm_mode", "colocate")
     vllm_enforce_eager: StrictBool = library_option(_GRPO, "vllm_enforce_eager")
     vllm_importance_sampling_correction: StrictBool = library_option(_GRPO, "vllm_importance_sampling_correction")
+    merged_lora_forward: StrictBool = library_option(_GRPO, "merged_lora_forward")
     reward_timeout: StrictFloat = option(DEFAULT_TIMEOUT, "Hard per-answer timeout of math-verify (seconds), in the "
                                          "RL reward and the evaluation.")
     eval_every: StrictInt = option(0, "Evaluate the held-out benchmarks every N steps during RL (0: off), with HF "
@@ -499,6 +500,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return from_dict(TrainConfig, explicit_settings(path, overrides, **top_level))
 
 
+# Settings added after runs were saved, with the value such a run used (its config.yaml lacks them): resumed, it
+# continues with that value, not with the new default.
+EARLIER_VALUES: dict[str, dict[str, Any]] = {"rl": {"merged_lora_forward": False}}
+
+
 def resume_config(explicit: dict[str, Any]) -> TrainConfig:
     """The configuration of the run being resumed: its saved config.yaml, with what the command line states on top
     (`check_run` then refuses a stated value that differs from the run's: a resumed run continues the run it
@@ -508,6 +514,9 @@ def resume_config(explicit: dict[str, Any]) -> TrainConfig:
         raise FileNotFoundError(f"--resume: {out} does not exist: there is no run to resume (drop --resume to start "
                                 "one, or give the run's --output-dir)")
     saved = read_run_config(out / "config.yaml", "--resume")
+    for section, values in EARLIER_VALUES.items():  # a run saved before a setting existed keeps what it did then
+        if isinstance(saved.get(section), dict):
+            saved[section] = {**values, **saved[section]}
     # quiet is this command's choice, not the run's; `--set rl.objective_kwargs.delta=...` touches one value
     return from_dict(TrainConfig, deep_merge({**saved, "quiet": False}, {**explicit, "resume": True}, replaced=()))
 

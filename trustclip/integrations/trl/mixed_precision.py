@@ -1,8 +1,10 @@
 """The trainer's mixed-precision pieces: float32 log-probs under autocast, and the low-precision copy of the policy
-that TRL's generation samples from (`generation_dtype`, `trustclip.precision`)."""
+that TRL's generation samples from (`generation_dtype`), LoRA layers as one product under autocast
+(`merged_lora_forward`); the pieces themselves are in `trustclip.precision`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,7 +12,9 @@ from typing import Any
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from trustclip.precision import LowPrecisionCopy, unwrap_peft
+from trustclip.precision import LowPrecisionCopy, merge_lora_under_autocast, unwrap_peft
+
+logger = logging.getLogger(__name__)
 
 
 def float32_lm_head(trainer: Any) -> None:
@@ -22,6 +26,15 @@ def float32_lm_head(trainer: Any) -> None:
     base = unwrap_peft(model)
     add_fused_lm_head(base, temperature=trainer.args.temperature, cast_lm_head_to_fp32=True,
                       outputs=("log_probs", "entropy"))
+
+
+def merged_lora_forward(trainer: Any) -> None:
+    """`merge_lora_under_autocast` on the trainer's policy, where each process holds its whole weights (a layer of a
+    policy sharded by FSDP or DeepSpeed ZeRO-3 would read a shard or a placeholder: PEFT's forward stays there)."""
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        logger.info("merged_lora_forward: not applied to a sharded policy (FSDP / DeepSpeed)")
+        return
+    merge_lora_under_autocast(trainer.model)
 
 
 def low_precision_sampler(trainer: Any) -> LowPrecisionCopy | None:

@@ -37,7 +37,12 @@ from trustclip.integrations.trl.config import (
 )
 from trustclip.integrations.trl.delta_control import DeltaControlCallback, controller_for
 from trustclip.integrations.trl.full_vocab import FullVocabForward, prompt_and_completion, row_slices
-from trustclip.integrations.trl.mixed_precision import float32_lm_head, low_precision_sampler, sampling_copy
+from trustclip.integrations.trl.mixed_precision import (
+    float32_lm_head,
+    low_precision_sampler,
+    merged_lora_forward,
+    sampling_copy,
+)
 from trustclip.integrations.trl.step_counts import StepCounts
 from trustclip.integrations.trl.surface import check_trl_surface
 from trustclip.integrations.trl.vllm_engine import (
@@ -103,6 +108,8 @@ class TrustClipGRPOTrainer(GRPOTrainer):
             use_in_place_sync(self)
         if (args.bf16 or args.fp16) and not args.cast_lm_head_to_fp32:
             float32_lm_head(self)  # the log-probs, and so the ratio, in float32
+        if (args.bf16 or args.fp16) and args.merged_lora_forward:
+            merged_lora_forward(self)  # LoRA layers as one product with the merged weight, as the sampler's
         self._sampler = low_precision_sampler(self)  # generation_dtype's copy of the policy, or None
         self._step_counts = StepCounts(  # the exact normalisers of each optimizer step
             steps_per_generation=args.steps_per_generation, num_iterations=args.num_iterations,
