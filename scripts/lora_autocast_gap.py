@@ -2,8 +2,8 @@
 layer's output and the adapter's rounded to bfloat16 separately) against the merged product that `merged_lora_forward`
 computes (trustclip.precision.merge_lora_under_autocast). On completions sampled from the run's merged policy in
 bfloat16 (as `generation_dtype` samples) for the first prompts of its RL pool, at its RL temperature. Prints |log-prob
-- float32 log-prob| per completion token, and the time of one forward + backward of those completions in each form
-and in float32.
+- float32 log-prob| per completion token, the time of one forward + backward of those completions in each form and in
+float32, and what autograd keeps for the backward.
 
     python scripts/lora_autocast_gap.py runs/smollm2-vllm/runs/kl3/seed4            # its rl/final adapter
     python scripts/lora_autocast_gap.py runs/smollm2-vllm/runs/kl3/seed4 --adapter rl/checkpoint-80
@@ -60,6 +60,19 @@ def step_seconds(policy, batch: dict, temperature: float, autocast: bool, repeat
     return times[1:]
 
 
+def saved_megabytes(policy, batch: dict, temperature: float, autocast: bool) -> float:
+    """What autograd keeps for the backward of one forward (each tensor once), in MB."""
+    seen: dict[tuple, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        seen[(tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        completion_logps(policy, batch, temperature, autocast, grad=True)
+    return sum(seen.values()) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="a trustclip train run with an RL stage (its config.yaml)")
@@ -83,21 +96,24 @@ def main() -> None:
     peft = completion_logps(policy, batch, temperature, autocast=True)[valid]
     peft_time = step_seconds(policy, batch, temperature, autocast=True)
     float32_time = step_seconds(policy, batch, temperature, autocast=False)
+    peft_saved = saved_megabytes(policy, batch, temperature, autocast=True)
+    float32_saved = saved_megabytes(policy, batch, temperature, autocast=False)
     precision.merge_lora_under_autocast(policy)
     merged = completion_logps(policy, batch, temperature, autocast=True)[valid]
     merged_time = step_seconds(policy, batch, temperature, autocast=True)
+    merged_saved = saved_megabytes(policy, batch, temperature, autocast=True)
 
     print(f"{args.run_dir / args.adapter}: {len(prompts)} prompts x {config.rl.num_generations}, {len(exact)} "
           f"completion tokens, T = {temperature}")
     print("| forward under bf16 autocast | mean abs(logp - float32 logp) | p99 | max | tokens > 1 nat "
-          "| forward + backward (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, values, times in (("PEFT (base and adapter rounded apart)", peft, peft_time),
-                                ("merged product (merged_lora_forward)", merged, merged_time),
-                                ("float32, no autocast (the reference)", exact, float32_time)):
+          "| forward + backward (s) | saved for the backward (MB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, values, times, saved in (("PEFT (base and adapter rounded apart)", peft, peft_time, peft_saved),
+                                       ("merged product (merged_lora_forward)", merged, merged_time, merged_saved),
+                                       ("float32, no autocast (the reference)", exact, float32_time, float32_saved)):
         gap = (values - exact).abs()
         print(f"| {name} | {gap.mean():.4f} | {gap.quantile(0.99):.3f} | {gap.max():.2f} | {int((gap > 1).sum())} "
-              f"| {min(times):.2f}-{max(times):.2f} |")
+              f"| {min(times):.2f}-{max(times):.2f} | {saved:.0f} |")
 
 
 if __name__ == "__main__":

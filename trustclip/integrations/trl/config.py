@@ -79,9 +79,9 @@ class TrustClipGRPOConfig(GRPOConfig):
                                        "as one product with its merged weight W + s B A, the weight the sampler "
                                        "(vLLM, generation_dtype's copy) multiplies by, instead of PEFT's base output "
                                        "plus the adapter's, each rounded: that erases adapter contributions below "
-                                       "half a bfloat16 step (trustclip.precision.merge_lora_under_autocast). Keeps "
-                                       "a low-precision copy of each adapted weight for the backward. Not applied "
-                                       "to a policy sharded by FSDP or DeepSpeed.")
+                                       "half a bfloat16 step (trustclip.precision.merge_lora_under_autocast). Time "
+                                       "and memory as PEFT's forward (measured on SmolLM2). Not applied to a policy "
+                                       "sharded by FSDP or DeepSpeed.")
     vllm_enforce_eager: bool = option(False, "With use_vllm and vllm_mode='colocate': build TRL's vLLM engine with "
                                       "enforce_eager (no torch.compile of the sampler: faster start, ~15% slower "
                                       "generation on a CPU). TRL builds it compiled.")
